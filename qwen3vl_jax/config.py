@@ -1,0 +1,434 @@
+"""Architecture configuration: frozen dataclasses mirroring HF's `Qwen3VLConfig`.
+
+`Qwen3VLConfig.from_hf_config` accepts a transformers config object, a plain dict, or a path to a
+`config.json` (or the directory holding one), in either rope form HF has used:
+
+- legacy: `text_config.rope_theta` + `text_config.rope_scaling = {rope_type, mrope_section, ...}`
+- v5:     `text_config.rope_parameters = {rope_type, rope_theta, mrope_section, ...}`
+
+Attributes the port does not model raise unless they hold a value with no effect on the forward
+pass (bookkeeping such as `architectures` or `transformers_version`), so a checkpoint that relies on
+a feature we do not implement is refused instead of silently computed wrong.
+
+Runtime knobs (dtype, attention implementation, buckets, pruning) are not architecture and live
+elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["VisionConfig", "TextConfig", "Qwen3VLConfig", "PRESETS", "preset"]
+
+# Keys HF writes on every config that do not change the computation. Any value is accepted.
+_BOOKKEEPING_KEYS = frozenset(
+    {
+        "architectures",
+        "transformers_version",
+        "model_type",
+        "_name_or_path",
+        "dtype",
+        "torch_dtype",
+        "output_hidden_states",
+        "output_attentions",
+        "return_dict",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "initializer_range",
+        "use_cache",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "tokenizer_class",
+        "_attn_implementation_autoset",
+        "use_sliding_window",
+    }
+)
+
+
+class ConfigError(ValueError):
+    """A config that this port cannot represent faithfully."""
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """The ViT tower (`Qwen3VLVisionConfig`)."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    deepstack_visual_indexes: tuple[int, ...]
+    num_position_embeddings: int = 2304
+    in_channels: int = 3
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "deepstack_visual_indexes", tuple(int(i) for i in self.deepstack_visual_indexes))
+        for name in ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size",
+                     "num_position_embeddings", "in_channels", "patch_size", "temporal_patch_size",
+                     "spatial_merge_size"):
+            _check(getattr(self, name) > 0, f"vision_config.{name} must be positive, got {getattr(self, name)}")
+        _check(self.hidden_size % self.num_heads == 0,
+               f"vision hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        _check(self.head_dim % 4 == 0,
+               f"vision head_dim {self.head_dim} must be divisible by 4 (axial 2D rotary: rows and columns "
+               "each take head_dim/4 frequencies)")
+        side = math.isqrt(self.num_position_embeddings)
+        _check(side * side == self.num_position_embeddings,
+               f"vision num_position_embeddings {self.num_position_embeddings} is not a perfect square")
+        _check(len(set(self.deepstack_visual_indexes)) == len(self.deepstack_visual_indexes),
+               f"deepstack_visual_indexes {self.deepstack_visual_indexes} has repeats")
+        _check(all(0 <= i < self.depth for i in self.deepstack_visual_indexes),
+               f"deepstack_visual_indexes {self.deepstack_visual_indexes} must lie in [0, depth={self.depth})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Width of one row of `pixel_values`: C * T * p * p."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
+
+    @property
+    def merge_unit(self) -> int:
+        return self.spatial_merge_size**2
+
+    @property
+    def num_grid_per_side(self) -> int:
+        return math.isqrt(self.num_position_embeddings)
+
+
+@dataclasses.dataclass(frozen=True)
+class TextConfig:
+    """The Qwen3 decoder (`Qwen3VLTextConfig`) with interleaved multimodal rotary."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float = 5_000_000.0
+    mrope_section: tuple[int, int, int] = (24, 20, 20)
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 262144
+    attention_bias: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "mrope_section", tuple(int(s) for s in self.mrope_section))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            _check(getattr(self, name) > 0, f"text_config.{name} must be positive, got {getattr(self, name)}")
+        _check(self.num_attention_heads % self.num_key_value_heads == 0,
+               f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+               f"num_key_value_heads {self.num_key_value_heads}")
+        _check(self.head_dim % 2 == 0, f"text head_dim {self.head_dim} must be even")
+        _check(len(self.mrope_section) == 3, f"mrope_section must have 3 entries (t, h, w), got {self.mrope_section}")
+        _check(sum(self.mrope_section) == self.head_dim // 2,
+               f"sum(mrope_section) = {sum(self.mrope_section)} must equal head_dim // 2 = {self.head_dim // 2}")
+        # Interleaved layout: H takes channels 1, 4, 7, ... and W takes 2, 5, 8, ...; both must fit.
+        half = self.head_dim // 2
+        for axis, offset in ((1, 1), (2, 2)):
+            taken = len(range(offset, min(3 * self.mrope_section[axis], half), 3))
+            _check(taken == self.mrope_section[axis],
+                   f"mrope_section {self.mrope_section} does not fit the interleaved layout of {half} "
+                   f"frequency channels (axis {'thw'[axis]} gets {taken} channels)")
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3VLConfig:
+    """The whole model: vision tower, language model and the special token ids that join them."""
+
+    vision: VisionConfig
+    text: TextConfig
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self):
+        _check(self.vision.out_hidden_size == self.text.hidden_size,
+               f"vision out_hidden_size {self.vision.out_hidden_size} must equal text hidden_size "
+               f"{self.text.hidden_size} (merged features are spliced into the text embeddings)")
+        _check(len(self.vision.deepstack_visual_indexes) <= self.text.num_hidden_layers,
+               f"{len(self.vision.deepstack_visual_indexes)} deepstack levels but only "
+               f"{self.text.num_hidden_layers} decoder layers to inject them after")
+        ids = [self.image_token_id, self.video_token_id, self.vision_start_token_id, self.vision_end_token_id]
+        _check(all(0 <= i < self.text.vocab_size for i in ids),
+               f"special token ids {ids} must lie inside the vocabulary (size {self.text.vocab_size})")
+
+    # ------------------------------------------------------------------ HF interop
+
+    @classmethod
+    def from_hf_config(cls, source: Any) -> "Qwen3VLConfig":
+        """Build from a transformers `Qwen3VLConfig`, a dict, or a `config.json` file / directory."""
+        raw = _as_dict(source)
+        top = dict(raw)
+        model_type = top.pop("model_type", "qwen3_vl")
+        _check(model_type == "qwen3_vl", f"model_type {model_type!r} is not 'qwen3_vl' (the dense Qwen3-VL)")
+        vision_raw = dict(top.pop("vision_config", None) or {})
+        text_raw = dict(top.pop("text_config", None) or {})
+        problems: list[str] = []
+
+        vision = _take_vision(vision_raw, problems)
+        # Older exports keep tie_word_embeddings inside text_config; either place is honoured.
+        text_tie = text_raw.pop("tie_word_embeddings", None)
+        text = _take_text(text_raw, problems)
+        tie = top.pop("tie_word_embeddings", None)
+        if tie is None:
+            tie = text_tie if text_tie is not None else False
+        elif text_tie is not None and bool(text_tie) != bool(tie):
+            problems.append(f"tie_word_embeddings is {tie} at the top level but {text_tie} in text_config")
+        tokens = {k: int(top.pop(k)) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                              "vision_end_token_id") if k in top}
+        top.pop("vision_token_id", None)  # an alias some exports carry; never read by the model
+        _reject_unknown("config", top, problems)
+        if problems:
+            raise ConfigError("cannot represent this Qwen3-VL config:\n  - " + "\n  - ".join(problems))
+        return cls(vision=vision, text=text, tie_word_embeddings=bool(tie), **tokens)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The HF `config.json` content (v5 `rope_parameters` form)."""
+        v, t = self.vision, self.text
+        return {
+            "architectures": ["Qwen3VLForConditionalGeneration"],
+            "model_type": "qwen3_vl",
+            "image_token_id": self.image_token_id,
+            "video_token_id": self.video_token_id,
+            "vision_start_token_id": self.vision_start_token_id,
+            "vision_end_token_id": self.vision_end_token_id,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "vision_config": {
+                "model_type": "qwen3_vl_vision",
+                "depth": v.depth,
+                "hidden_size": v.hidden_size,
+                "hidden_act": "gelu_pytorch_tanh",
+                "intermediate_size": v.intermediate_size,
+                "num_heads": v.num_heads,
+                "in_channels": v.in_channels,
+                "patch_size": v.patch_size,
+                "spatial_merge_size": v.spatial_merge_size,
+                "temporal_patch_size": v.temporal_patch_size,
+                "out_hidden_size": v.out_hidden_size,
+                "num_position_embeddings": v.num_position_embeddings,
+                "deepstack_visual_indexes": list(v.deepstack_visual_indexes),
+                "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
+            },
+            "text_config": {
+                "model_type": "qwen3_vl_text",
+                "vocab_size": t.vocab_size,
+                "hidden_size": t.hidden_size,
+                "intermediate_size": t.intermediate_size,
+                "num_hidden_layers": t.num_hidden_layers,
+                "num_attention_heads": t.num_attention_heads,
+                "num_key_value_heads": t.num_key_value_heads,
+                "head_dim": t.head_dim,
+                "hidden_act": "silu",
+                "max_position_embeddings": t.max_position_embeddings,
+                "rms_norm_eps": t.rms_norm_eps,
+                "attention_bias": t.attention_bias,
+                "attention_dropout": 0.0,
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": t.rope_theta,
+                    "mrope_section": list(t.mrope_section),
+                    "mrope_interleaved": True,
+                },
+            },
+        }
+
+    def to_hf_config(self):
+        """A transformers `Qwen3VLConfig` (needs no torch)."""
+        from transformers import Qwen3VLConfig as HFQwen3VLConfig
+
+        return HFQwen3VLConfig(**self.to_hf_dict())
+
+    def replace(self, **changes) -> "Qwen3VLConfig":
+        """A copy with top-level fields, or `vision={...}` / `text={...}` field dicts, changed."""
+        vision = changes.pop("vision", None)
+        text = changes.pop("text", None)
+        if isinstance(vision, Mapping):
+            vision = dataclasses.replace(self.vision, **vision)
+        if isinstance(text, Mapping):
+            text = dataclasses.replace(self.text, **text)
+        return dataclasses.replace(self, vision=vision or self.vision, text=text or self.text, **changes)
+
+
+# ---------------------------------------------------------------------- parsing helpers
+
+
+def _as_dict(source: Any) -> dict[str, Any]:
+    if isinstance(source, Mapping):
+        return json.loads(json.dumps(dict(source)))  # deep copy, tuples -> lists
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no config.json at {path}")
+        with open(path) as f:
+            return json.load(f)
+    if hasattr(source, "to_dict"):
+        return source.to_dict()
+    raise TypeError(f"from_hf_config takes a transformers config, a dict or a path, not {type(source).__name__}")
+
+
+def _reject_unknown(where: str, rest: dict[str, Any], problems: list[str]) -> None:
+    for key, value in sorted(rest.items()):
+        if key in _BOOKKEEPING_KEYS:
+            continue
+        problems.append(f"{where}.{key} = {value!r} is not supported by this port")
+
+
+def _require(where: str, raw: dict[str, Any], key: str, allowed: tuple, problems: list[str]) -> None:
+    if key in raw:
+        value = raw.pop(key)
+        if value not in allowed:
+            problems.append(f"{where}.{key} = {value!r}; only {allowed} is supported")
+
+
+def _take(raw: dict[str, Any], cls, renames: Mapping[str, str] = {}) -> dict[str, Any]:
+    fields = {f.name for f in dataclasses.fields(cls)}
+    out = {}
+    for key in list(raw):
+        name = renames.get(key, key)
+        if name in fields:
+            out[name] = raw.pop(key)
+    return out
+
+
+def _take_vision(raw: dict[str, Any], problems: list[str]) -> VisionConfig:
+    where = "vision_config"
+    _require(where, raw, "hidden_act", ("gelu_pytorch_tanh",), problems)
+    rope = raw.pop("rope_parameters", None) or raw.pop("rope_scaling", None) or {}
+    rope = dict(rope)
+    _require(where + ".rope_parameters", rope, "rope_type", ("axial",), problems)
+    theta = rope.pop("rope_theta", raw.pop("rope_theta", 10000.0))
+    _reject_unknown(where + ".rope_parameters", rope, problems)
+    for key in ("patch_size", "temporal_patch_size"):
+        if isinstance(raw.get(key), (list, tuple)):
+            values = set(raw[key])
+            if len(values) != 1:
+                problems.append(f"{where}.{key} = {raw[key]}: only square patches are supported")
+            raw[key] = values.pop()
+    kwargs = _take(raw, VisionConfig, {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"})
+    kwargs["rope_theta"] = float(theta)
+    _reject_unknown(where, raw, problems)
+    missing = [f.name for f in dataclasses.fields(VisionConfig)
+               if f.default is dataclasses.MISSING and f.name not in kwargs]
+    if missing:
+        problems.append(f"{where} lacks {missing}")
+        return None  # type: ignore[return-value]
+    try:
+        return VisionConfig(**kwargs)
+    except ConfigError as e:
+        problems.append(str(e))
+        return None  # type: ignore[return-value]
+
+
+def _take_text(raw: dict[str, Any], problems: list[str]) -> TextConfig:
+    where = "text_config"
+    _require(where, raw, "hidden_act", ("silu",), problems)
+    _require(where, raw, "attention_dropout", (0, 0.0), problems)
+    _require(where, raw, "sliding_window", (None,), problems)
+    # Legacy form keeps theta beside rope_scaling; v5 folds both into rope_parameters.
+    rope = dict(raw.pop("rope_parameters", None) or {})
+    legacy = raw.pop("rope_scaling", None)
+    if legacy:
+        for key, value in legacy.items():
+            if key in rope and rope[key] != value:
+                problems.append(f"{where}: rope_scaling.{key}={value!r} disagrees with rope_parameters")
+            rope[key] = value
+    if "rope_theta" in raw:
+        theta = raw.pop("rope_theta")
+        if "rope_theta" in rope and rope["rope_theta"] != theta:
+            problems.append(f"{where}: rope_theta={theta} disagrees with rope_parameters")
+        rope.setdefault("rope_theta", theta)
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    if rope_type != "default":
+        problems.append(f"{where}: rope_type {rope_type!r} is not supported (only 'default' mRoPE)")
+    if not rope.pop("mrope_interleaved", True):
+        problems.append(f"{where}: mrope_interleaved=False (Qwen2.5-VL layout) is not Qwen3-VL")
+    kwargs = _take(raw, TextConfig)
+    if "rope_theta" in rope:
+        kwargs["rope_theta"] = float(rope.pop("rope_theta"))
+    if "mrope_section" in rope:
+        kwargs["mrope_section"] = tuple(rope.pop("mrope_section"))
+    _reject_unknown(where + ".rope_parameters", rope, problems)
+    if kwargs.get("num_key_value_heads") is None and "num_attention_heads" in kwargs:
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
+    if kwargs.get("head_dim") is None and "hidden_size" in kwargs and "num_attention_heads" in kwargs:
+        kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    _reject_unknown(where, raw, problems)
+    missing = [f.name for f in dataclasses.fields(TextConfig)
+               if f.default is dataclasses.MISSING and f.name not in kwargs]
+    if missing:
+        problems.append(f"{where} lacks {missing}")
+        return None  # type: ignore[return-value]
+    try:
+        return TextConfig(**kwargs)
+    except ConfigError as e:
+        problems.append(str(e))
+        return None  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------- presets
+
+_VISION_SMALL = dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
+                     deepstack_visual_indexes=(5, 11, 17))
+_VISION_LARGE = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                     deepstack_visual_indexes=(8, 16, 24))
+
+
+def _preset(vision: dict, hidden: int, intermediate: int, layers: int, heads: int, tie: bool) -> Qwen3VLConfig:
+    return Qwen3VLConfig(
+        vision=VisionConfig(out_hidden_size=hidden, **vision),
+        text=TextConfig(vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate,
+                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=8,
+                        head_dim=128),
+        tie_word_embeddings=tie,
+    )
+
+
+# The released Qwen3-VL dense checkpoints (Instruct and Thinking share dimensions).
+PRESETS: dict[str, Qwen3VLConfig] = {
+    "2b": _preset(_VISION_SMALL, hidden=2048, intermediate=6144, layers=28, heads=16, tie=True),
+    "4b": _preset(_VISION_SMALL, hidden=2560, intermediate=9728, layers=36, heads=32, tie=True),
+    "8b": _preset(_VISION_LARGE, hidden=4096, intermediate=12288, layers=36, heads=32, tie=False),
+    "32b": _preset(_VISION_LARGE, hidden=5120, intermediate=25600, layers=64, heads=64, tie=False),
+}
+
+
+def preset(name: str) -> Qwen3VLConfig:
+    """One of `PRESETS` by name ("2b", "4b", "8b", "32b")."""
+    key = name.lower().removeprefix("qwen3-vl-").removesuffix("-instruct")
+    if key not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    return PRESETS[key]

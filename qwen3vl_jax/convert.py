@@ -1,0 +1,218 @@
+"""Hugging Face safetensors <-> our parameter tree, by one declarative table of name rules.
+
+Every HF tensor name is matched by the first rule whose pattern fits; the rule names our
+parameter path and a named transform (linear transpose, Conv3d-as-linear). Loading is strict:
+every HF tensor is used exactly once (or listed as ignored with a reason), every parameter is
+filled exactly once, every shape is checked, and all problems are reported together in one
+`CheckpointError`. Only safetensors is read (never pickle), one shard at a time.
+
+Our paths are dotted NNX state paths, e.g. `visual.blocks.3.attn.qkv.kernel`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping
+
+import numpy as np
+
+from .config import Qwen3VLConfig
+
+__all__ = [
+    "CheckpointError",
+    "RULES",
+    "hf_to_ours_name",
+    "ours_to_hf_name",
+    "safetensors_files",
+    "iter_hf_tensors",
+    "load_hf_params",
+    "export_hf_tensors",
+]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model; the message lists every problem found."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Transform:
+    """A named, invertible map between an HF tensor and our parameter."""
+
+    name: str
+    to_ours: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray, Qwen3VLConfig], np.ndarray]
+
+
+IDENTITY = Transform("identity", lambda a: a, lambda a, c: a)
+# torch Linear stores [out, in]; nnx.Linear's kernel is [in, out].
+LINEAR = Transform("linear_transpose", lambda a: a.T, lambda a, c: a.T)
+# A Conv3d with kernel == stride over a [C, T, p, p] patch is a linear map of the flattened patch:
+# weight [E, C, T, p, p] -> kernel [C*T*p*p, E] (the flattening order of `pixel_values` rows).
+CONV3D_AS_LINEAR = Transform(
+    "conv3d_as_linear",
+    lambda a: a.reshape(a.shape[0], -1).T,
+    lambda a, c: a.T.reshape(
+        c.vision.hidden_size, c.vision.in_channels, c.vision.temporal_patch_size, c.vision.patch_size,
+        c.vision.patch_size,
+    ),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """`hf` and `ours` are name templates; `{x}` stands for the same text (matching `x`) in both."""
+
+    hf: str
+    ours: str
+    transform: Transform
+    x: str = r".+"
+
+    def _regex(self, template: str) -> re.Pattern:
+        return re.compile(re.escape(template).replace(r"\{x\}", f"({self.x})"))
+
+    def match_hf(self, name: str) -> str | None:
+        m = self._regex(self.hf).fullmatch(name)
+        return None if m is None else self.ours.replace("{x}", m.group(1) if m.groups() else "")
+
+    def match_ours(self, path: str) -> str | None:
+        m = self._regex(self.ours).fullmatch(path)
+        return None if m is None else self.hf.replace("{x}", m.group(1) if m.groups() else "")
+
+
+# Order matters: the first matching rule wins.
+RULES: tuple[Rule, ...] = (
+    Rule("model.visual.patch_embed.proj.weight", "visual.patch_embed.proj.kernel", CONV3D_AS_LINEAR),
+    Rule("model.visual.pos_embed.weight", "visual.pos_embed.embedding", IDENTITY),
+    Rule("model.visual.{x}.weight", "visual.{x}.scale", IDENTITY, x=r"(?:.*\.)?norm\d?"),  # LayerNorm
+    Rule("model.visual.{x}.weight", "visual.{x}.kernel", LINEAR),
+    Rule("model.visual.{x}.bias", "visual.{x}.bias", IDENTITY),
+    Rule("model.language_model.embed_tokens.weight", "language_model.embed_tokens.embedding", IDENTITY),
+    Rule("model.language_model.{x}.weight", "language_model.{x}.weight", IDENTITY, x=r".*norm"),  # RMSNorm
+    Rule("model.language_model.{x}.weight", "language_model.{x}.kernel", LINEAR, x=r".*_proj"),
+    Rule("model.language_model.{x}.bias", "language_model.{x}.bias", IDENTITY, x=r".*_proj"),
+    Rule("lm_head.weight", "lm_head.kernel", LINEAR),
+)
+
+
+def hf_to_ours_name(name: str) -> tuple[str, Transform] | None:
+    """Our path and transform for an HF tensor name, or None if no rule matches."""
+    for rule in RULES:
+        path = rule.match_hf(name)
+        if path is not None:
+            return path, rule.transform
+    return None
+
+
+def ours_to_hf_name(path: str) -> tuple[str, Transform]:
+    """The HF name and transform for one of our parameter paths (the inverse of the table)."""
+    for rule in RULES:
+        name = rule.match_ours(path)
+        # Only a name that converts forward to the same path is a true inverse (first match wins).
+        if name is not None and hf_to_ours_name(name) == (path, rule.transform):
+            return name, rule.transform
+    raise KeyError(f"no conversion rule produces the parameter {path!r}")
+
+
+# ---------------------------------------------------------------------- reading safetensors
+
+
+def safetensors_files(directory: str | os.PathLike) -> list[str]:
+    """The checkpoint's safetensors files: the shards of `model.safetensors.index.json`, or the single file."""
+    directory = os.fspath(directory)
+    index = os.path.join(directory, "model.safetensors.index.json")
+    single = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(directory, s))]
+        if missing:
+            raise CheckpointError(f"{directory}: shards named in model.safetensors.index.json are missing: {missing}")
+        return [os.path.join(directory, s) for s in shards]
+    if os.path.isfile(single):
+        return [single]
+    raise CheckpointError(
+        f"{directory}: no model.safetensors or model.safetensors.index.json (only safetensors is read)"
+    )
+
+
+def iter_hf_tensors(directory: str | os.PathLike) -> Iterator[tuple[str, str, np.ndarray]]:
+    """Yield (shard file, HF name, numpy array), one shard open at a time."""
+    from safetensors import safe_open
+
+    for file in safetensors_files(directory):
+        with safe_open(file, framework="np") as f:
+            for name in f.keys():
+                yield file, name, f.get_tensor(name)
+
+
+# ---------------------------------------------------------------------- loading and exporting
+
+
+def load_hf_params(
+    directory: str | os.PathLike,
+    expected: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+    config: Qwen3VLConfig,
+    *,
+    dtype=None,
+    on_tensor: Callable[[str], None] | None = None,
+) -> dict[str, np.ndarray]:
+    """Read an HF checkpoint into `{our path: array}` for exactly the parameters in `expected`.
+
+    `expected` maps each of our parameter paths to its (shape, dtype). Arrays are cast to `dtype`
+    (default: the expected dtype). Raises `CheckpointError` listing every problem at once.
+    """
+    out: dict[str, np.ndarray] = {}
+    problems: list[str] = []
+    seen: dict[str, str] = {}
+    for file, name, array in iter_hf_tensors(directory):
+        if on_tensor is not None:
+            on_tensor(name)
+        if name in seen:
+            problems.append(f"tensor {name} appears twice ({seen[name]} and {file})")
+            continue
+        seen[name] = file
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: the logits reuse embed_tokens; a stored copy is redundant
+        target = hf_to_ours_name(name)
+        if target is None:
+            problems.append(f"unexpected tensor {name} {list(array.shape)} (no conversion rule)")
+            continue
+        path, transform = target
+        if path not in expected:
+            problems.append(f"unexpected tensor {name} {list(array.shape)} (the model has no {path})")
+            continue
+        value = transform.to_ours(array)
+        shape, want_dtype = expected[path]
+        if tuple(value.shape) != tuple(shape):
+            problems.append(
+                f"shape mismatch for {name}: checkpoint {list(array.shape)} -> {list(value.shape)} "
+                f"after {transform.name}, model expects {list(shape)}"
+            )
+            continue
+        out[path] = np.ascontiguousarray(value.astype(dtype or want_dtype, copy=False))
+    missing = sorted(set(expected) - set(out))
+    for path in missing:
+        try:
+            hf_name = ours_to_hf_name(path)[0]
+        except KeyError:
+            hf_name = "?"
+        problems.append(f"missing tensor {hf_name} for parameter {path}")
+    if problems:
+        raise CheckpointError(
+            f"{os.fspath(directory)}: {len(problems)} problem(s) loading the checkpoint:\n  - "
+            + "\n  - ".join(problems)
+        )
+    return out
+
+
+def export_hf_tensors(params: Mapping[str, np.ndarray], config: Qwen3VLConfig) -> dict[str, np.ndarray]:
+    """`{our path: array}` -> `{HF name: array}` (the inverse of `load_hf_params`)."""
+    tensors = {}
+    for path, value in params.items():
+        name, transform = ours_to_hf_name(path)
+        tensors[name] = np.ascontiguousarray(transform.to_hf(np.asarray(value), config))
+    return tensors

@@ -1,0 +1,307 @@
+"""Tiny HF-format Qwen3-VL checkpoints, synthesized on the spot (no downloads, no torch).
+
+`make_tiny_checkpoint(path)` writes a directory that HF itself loads with
+`Qwen3VLForConditionalGeneration.from_pretrained` and `AutoProcessor.from_pretrained`:
+
+- `config.json` (v5 `rope_parameters` form, or the legacy `rope_scaling` form on request),
+- `model.safetensors` with deterministic random weights under HF's tensor names (or shards plus
+  `model.safetensors.index.json`),
+- a byte-level BPE tokenizer trained on a built-in corpus, carrying Qwen's special tokens, with a
+  chat template,
+- `preprocessor_config.json`, `video_preprocessor_config.json`, `generation_config.json`.
+
+It is the built-in default of the demo and the fixture of the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from .config import Qwen3VLConfig, TextConfig, VisionConfig
+
+__all__ = ["SPECIAL_TOKENS", "CHAT_TEMPLATE", "tiny_config", "make_tiny_checkpoint", "random_params"]
+
+# Qwen's special tokens, in Qwen's id order (they follow the BPE vocabulary).
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# Qwen3-VL's chat layout: each image part becomes <|vision_start|><|image_pad|><|vision_end|>,
+# each video part <|vision_start|><|video_pad|><|vision_end|>, in the order of the parts.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}"
+    "{{- message['content'] -}}"
+    "{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' or 'image' in part or 'image_url' in part -%}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'video' or 'video' in part -%}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'text' -%}"
+    "{{- part['text'] -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- endif -%}"
+)
+
+# A small fixed corpus so the BPE merges (and so the token ids) are the same on every machine.
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Describe this image. What is in the picture? What happens in the video?",
+    "A red square and a blue circle move across a gray background.",
+    "Qwen3-VL is a vision-language model: it reads images, videos and text.",
+    "user assistant system The the a an of in on at to is are was were be this that these those",
+    "0 1 2 3 4 5 6 7 8 9 10 seconds frame frames second time <0.5 seconds> <1.0 seconds>",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "left right top bottom center color shape size moving static object background foreground",
+]
+
+_BPE_VOCAB_SIZE = 480
+
+
+def _build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_BPE_VOCAB_SIZE,
+        min_frequency=1,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
+    tokenizer.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    return tokenizer
+
+
+def tiny_config(vocab_size: int, special_ids: dict[str, int]) -> Qwen3VLConfig:
+    """The tiny architecture: every structural feature of the real model at toy widths."""
+    return Qwen3VLConfig(
+        vision=VisionConfig(
+            depth=4, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=64,
+            deepstack_visual_indexes=(0, 2), num_position_embeddings=256, patch_size=16,
+            temporal_patch_size=2, spatial_merge_size=2,
+        ),
+        text=TextConfig(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1_000_000.0,
+            mrope_section=(6, 5, 5), max_position_embeddings=32768,
+        ),
+        image_token_id=special_ids["<|image_pad|>"],
+        video_token_id=special_ids["<|video_pad|>"],
+        vision_start_token_id=special_ids["<|vision_start|>"],
+        vision_end_token_id=special_ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
+def random_params(config: Qwen3VLConfig, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Deterministic random parameters `{our path: array}` with activations of order one.
+
+    Linear kernels ~ N(0, 1/fan_in); biases ~ N(0, 0.02^2); norm scales ~ 1 + N(0, 0.1^2);
+    embeddings ~ N(0, 1).
+    """
+    from .model import Qwen3VL, param_shapes
+
+    from flax import nnx
+
+    shapes = param_shapes(nnx.state(Qwen3VL.abstract(config), nnx.Param))
+    rng = np.random.default_rng(seed)
+    params = {}
+    for path in sorted(shapes):
+        shape, _ = shapes[path]
+        leaf = path.rsplit(".", 1)[-1]
+        if leaf == "kernel":
+            value = rng.standard_normal(shape) / np.sqrt(shape[0])
+        elif leaf == "bias":
+            value = 0.02 * rng.standard_normal(shape)
+        elif leaf in ("scale", "weight"):
+            value = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif leaf == "embedding":
+            value = rng.standard_normal(shape)
+        else:
+            raise AssertionError(f"no initializer for parameter {path}")
+        params[path] = value.astype(dtype)
+    return params
+
+
+def _save_safetensors(tensors: dict[str, np.ndarray], directory: str, max_shard_bytes: int | None) -> None:
+    from safetensors.numpy import save_file
+
+    names = sorted(tensors)
+    if not max_shard_bytes:
+        save_file({n: tensors[n] for n in names}, os.path.join(directory, "model.safetensors"),
+                  metadata={"format": "pt"})
+        return
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        nbytes = tensors[name].nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: tensors[n] for n in shard}, os.path.join(directory, file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in shard})
+    index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))}, "weight_map": weight_map}
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+
+
+def _write_json(directory: str, name: str, content: dict[str, Any]) -> None:
+    with open(os.path.join(directory, name), "w") as f:
+        json.dump(content, f, indent=2)
+
+
+def make_tiny_checkpoint(
+    path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    tie_word_embeddings: bool = False,
+    rope_form: str = "v5",
+    max_shard_bytes: int | None = None,
+    vision: dict[str, Any] | None = None,
+    text: dict[str, Any] | None = None,
+    image_size: dict[str, int] | None = None,
+    video_size: dict[str, int] | None = None,
+) -> str:
+    """Write a tiny HF-format Qwen3-VL checkpoint directory at `path` and return its path.
+
+    Args:
+      seed: weights are a deterministic function of the seed (and the architecture).
+      dtype: "float32" or "bfloat16" storage in the safetensors.
+      tie_word_embeddings: drop `lm_head.weight` and reuse the embeddings (as the 2B/4B do).
+      rope_form: "v5" (`rope_parameters`) or "legacy" (`rope_theta` + `rope_scaling`).
+      max_shard_bytes: if set, shard the weights (with `model.safetensors.index.json`).
+      vision, text: overrides of `VisionConfig` / `TextConfig` fields.
+      image_size, video_size: the processors' `size` ({"shortest_edge": min pixels,
+        "longest_edge": max pixels}).
+    """
+    import ml_dtypes
+
+    from .convert import export_hf_tensors
+
+    if rope_form not in ("v5", "legacy"):
+        raise ValueError(f"rope_form must be 'v5' or 'legacy', got {rope_form!r}")
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}.get(dtype)
+    if np_dtype is None:
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    directory = os.fspath(path)
+    os.makedirs(directory, exist_ok=True)
+
+    tokenizer = _build_tokenizer()
+    special_ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
+    vocab_size = -(-tokenizer.get_vocab_size() // 64) * 64  # padded, as Qwen pads its vocabulary
+    config = tiny_config(vocab_size, special_ids).replace(
+        tie_word_embeddings=tie_word_embeddings, vision=vision or {}, text=text or {}
+    )
+
+    # -- weights
+    params = random_params(config, seed=seed)
+    tensors = {name: value.astype(np_dtype) for name, value in export_hf_tensors(params, config).items()}
+    _save_safetensors(tensors, directory, max_shard_bytes)
+
+    # -- config
+    hf = config.to_hf_dict()
+    hf["dtype"] = dtype
+    hf["text_config"]["bos_token_id"] = special_ids["<|endoftext|>"]
+    hf["text_config"]["eos_token_id"] = special_ids["<|im_end|>"]
+    if rope_form == "legacy":
+        rope = hf["text_config"].pop("rope_parameters")
+        hf["text_config"]["rope_theta"] = rope.pop("rope_theta")
+        hf["text_config"]["rope_scaling"] = rope
+        hf["vision_config"].pop("rope_parameters")
+    _write_json(directory, "config.json", hf)
+    _write_json(directory, "generation_config.json", {
+        "bos_token_id": special_ids["<|endoftext|>"],
+        "eos_token_id": [special_ids["<|im_end|>"], special_ids["<|endoftext|>"]],
+        "pad_token_id": special_ids["<|endoftext|>"],
+        "do_sample": False,
+    })
+
+    # -- tokenizer
+    tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    tokenizer.model.save(directory)  # vocab.json + merges.txt, for slow-path loaders
+    added = {
+        str(special_ids[tok]): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
+                                "single_word": False, "special": True}
+        for tok in SPECIAL_TOKENS
+    }
+    _write_json(directory, "tokenizer_config.json", {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "errors": "replace",
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "model_max_length": config.text.max_position_embeddings,
+        "chat_template": CHAT_TEMPLATE,
+    })
+    with open(os.path.join(directory, "chat_template.jinja"), "w") as f:
+        f.write(CHAT_TEMPLATE)
+
+    # -- processors (Qwen3-VL's released values, with a smaller default pixel budget)
+    common = {
+        "patch_size": config.vision.patch_size,
+        "temporal_patch_size": config.vision.temporal_patch_size,
+        "merge_size": config.vision.spatial_merge_size,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "processor_class": "Qwen3VLProcessor",
+    }
+    _write_json(directory, "preprocessor_config.json", {
+        **common,
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "size": image_size or {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 256},
+    })
+    _write_json(directory, "video_preprocessor_config.json", {
+        **common,
+        "video_processor_type": "Qwen3VLVideoProcessor",
+        "size": video_size or {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 1024},
+        "do_sample_frames": True,
+        "fps": 2,
+        "min_frames": 4,
+        "max_frames": 64,
+        "return_metadata": True,
+    })
+    return directory

@@ -1,0 +1,268 @@
+"""The Qwen3-VL vision tower in Flax NNX.
+
+Data path: patch embed (a linear map of each flattened `C*T*p*p` patch, equal to HF's strided
+Conv3d) + bilinear-interpolated learned position embeddings -> `depth` pre-norm ViT blocks with
+axial 2D rotary and attention restricted to each temporal slice of each item -> the final patch
+merger (2x2 patches -> one token). After the blocks listed in `deepstack_visual_indexes`, a
+deepstack merger taps the hidden states, giving one extra feature map per level for the LLM.
+
+Everything that depends on the values of `grid_thw` (interpolation taps, rotary row/col ids,
+attention segment ids) is computed on the host by `vision_metadata`, so the jitted tower sees only
+arrays whose shapes depend on the number of patches.
+
+Axes: P patches (sum of t*h*w), N merged tokens (P / merge**2), E hidden, H heads, D head dim,
+F = 4*E merged width, O out hidden (the LLM width), L deepstack levels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pallas_kernels.attention import api as attention_api
+from pallas_kernels.pos_embed import api as pos_embed_api
+from pallas_kernels.pos_embed.reference import interpolation_taps, merge_order_rows_cols
+
+from .config import VisionConfig
+from .layers import LayerNorm, Linear, rotate_half
+
+__all__ = ["VisionMetadata", "vision_metadata", "validate_vision_inputs", "VisionModel"]
+
+
+# ---------------------------------------------------------------------- host-side metadata
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionMetadata:
+    """Everything grid-dependent the tower needs, as arrays (a pytree, jit-friendly).
+
+    pos_indices: `[P, 4]` int32 rows of the position table; pos_weights: `[P, 4]` float32.
+    rotary_ids: `[P, 2]` int32 (row, col) of each patch in its frame.
+    segment_ids: `[P]` int32, one id per temporal slice of each item; negative = padding.
+    """
+
+    pos_indices: np.ndarray
+    pos_weights: np.ndarray
+    rotary_ids: np.ndarray
+    segment_ids: np.ndarray
+
+
+jax.tree_util.register_dataclass(
+    VisionMetadata, data_fields=["pos_indices", "pos_weights", "rotary_ids", "segment_ids"], meta_fields=[]
+)
+
+
+def validate_vision_inputs(pixel_values, grid_thw, config: VisionConfig) -> np.ndarray:
+    """Check `pixel_values [P, C*T*p*p]` against `grid_thw [n, 3]`; return the grid as int64 numpy.
+
+    Raises ValueError naming the offending item.
+    """
+    grid = np.asarray(grid_thw)
+    if grid.ndim != 2 or grid.shape[1] != 3:
+        raise ValueError(f"grid_thw must have shape [num_items, 3], got {grid.shape}")
+    if not np.issubdtype(grid.dtype, np.integer):
+        raise ValueError(f"grid_thw must hold integers, got dtype {grid.dtype}")
+    grid = grid.astype(np.int64)
+    merge = config.spatial_merge_size
+    for i, (t, h, w) in enumerate(grid):
+        if min(t, h, w) <= 0:
+            raise ValueError(f"grid_thw[{i}] = {[int(t), int(h), int(w)]} has a non-positive entry")
+        if h % merge or w % merge:
+            raise ValueError(
+                f"grid_thw[{i}] = {[int(t), int(h), int(w)]}: h and w must be divisible by the spatial "
+                f"merge size {merge}"
+            )
+    shape = tuple(pixel_values.shape)
+    if len(shape) != 2:
+        raise ValueError(f"pixel_values must be 2-D [patches, {config.patch_dim}], got shape {shape}")
+    if shape[1] != config.patch_dim:
+        raise ValueError(
+            f"pixel_values rows have width {shape[1]}, expected C*T*p*p = {config.in_channels}*"
+            f"{config.temporal_patch_size}*{config.patch_size}*{config.patch_size} = {config.patch_dim}"
+        )
+    counts = grid.prod(axis=1)
+    if shape[0] != counts.sum():
+        raise ValueError(
+            f"pixel_values has {shape[0]} rows but grid_thw describes {int(counts.sum())} patches "
+            f"(per item t*h*w = {counts.tolist()})"
+        )
+    return grid
+
+
+def vision_metadata(grid_thw, config: VisionConfig) -> VisionMetadata:
+    """Host metadata for a validated `grid_thw` (see `VisionMetadata`)."""
+    grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    indices, weights = interpolation_taps(grid, config.num_grid_per_side, config.spatial_merge_size)
+    rotary, segments = [], []
+    next_segment = 0
+    for t, h, w in grid:
+        rows, cols = merge_order_rows_cols(int(h), int(w), config.spatial_merge_size)
+        rotary.append(np.tile(np.stack([rows, cols], axis=1), (int(t), 1)))
+        segments.append(np.repeat(np.arange(next_segment, next_segment + t), h * w))
+        next_segment += int(t)
+    return VisionMetadata(
+        pos_indices=indices,
+        pos_weights=weights,
+        rotary_ids=np.concatenate(rotary).astype(np.int32) if rotary else np.zeros((0, 2), np.int32),
+        segment_ids=np.concatenate(segments).astype(np.int32) if segments else np.zeros((0,), np.int32),
+    )
+
+
+def vision_rotary_inv_freq(config: VisionConfig) -> np.ndarray:
+    """`[D/4]` float32 inverse frequencies, shared by rows and columns (HF's axial rope)."""
+    spatial_dim = config.head_dim // 2
+    exponent = np.arange(0, spatial_dim, 2, dtype=np.float32) / np.float32(spatial_dim)
+    return (np.float32(1.0) / np.power(np.float32(config.rope_theta), exponent)).astype(np.float32)
+
+
+def vision_rotary_cos_sin(rotary_ids: jnp.ndarray, inv_freq: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """`[P, D]` float32 cos and sin, laid out [row freqs | col freqs] twice (rotate-half layout)."""
+    freqs = rotary_ids.astype(jnp.float32)[:, :, None] * inv_freq  # [P, 2, D/4]
+    half = freqs.reshape(freqs.shape[0], -1)  # [P, D/2]: rows then cols
+    full = jnp.concatenate([half, half], axis=-1)
+    return jnp.cos(full), jnp.sin(full)
+
+
+# ---------------------------------------------------------------------- modules
+
+
+class PatchEmbed(nnx.Module):
+    """HF's Conv3d with kernel == stride is a linear map of each flattened patch."""
+
+    def __init__(self, config: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.proj = Linear(config.patch_dim, config.hidden_size, use_bias=True, dtype=dtype,
+                           param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, pixel_values: jnp.ndarray) -> jnp.ndarray:  # [P, C*T*p*p] -> [P, E]
+        return self.proj(pixel_values)
+
+
+class VisionAttention(nnx.Module):
+    def __init__(self, config: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.num_heads = config.num_heads
+        self.qkv = Linear(config.hidden_size, 3 * config.hidden_size, use_bias=True, dtype=dtype,
+                          param_dtype=param_dtype, rngs=rngs)
+        self.proj = Linear(config.hidden_size, config.hidden_size, use_bias=True, dtype=dtype,
+                           param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, segment_ids, implementation: str):
+        patches = x.shape[0]
+        qkv = self.qkv(x).reshape(patches, 3, self.num_heads, -1)
+        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # [P, H, D]
+        # Rotary in float32, cast back (HF's apply_rotary_pos_emb_vision).
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        q = (q.astype(jnp.float32) * cos + rotate_half(q.astype(jnp.float32)) * sin).astype(x.dtype)
+        k = (k.astype(jnp.float32) * cos + rotate_half(k.astype(jnp.float32)) * sin).astype(x.dtype)
+        out = attention_api.varlen_attention(q, k, v, segment_ids, implementation=implementation)
+        return self.proj(out.reshape(patches, -1))
+
+
+class VisionMLP(nnx.Module):
+    def __init__(self, config: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.linear_fc1 = Linear(config.hidden_size, config.intermediate_size, use_bias=True, dtype=dtype,
+                                 param_dtype=param_dtype, rngs=rngs)
+        self.linear_fc2 = Linear(config.intermediate_size, config.hidden_size, use_bias=True, dtype=dtype,
+                                 param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x):
+        # The ViT MLP uses the tanh approximation (`gelu_pytorch_tanh`); the mergers do not.
+        return self.linear_fc2(jax.nn.gelu(self.linear_fc1(x), approximate=True))
+
+
+class VisionBlock(nnx.Module):
+    def __init__(self, config: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.norm1 = LayerNorm(config.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.norm2 = LayerNorm(config.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.attn = VisionAttention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.mlp = VisionMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, segment_ids, implementation: str = "xla"):
+        x = x + self.attn(self.norm1(x), cos, sin, segment_ids, implementation)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nnx.Module):
+    """Groups each 2x2 block of patches into one token and projects it to the LLM width.
+
+    The final merger normalizes each patch (over E) before grouping; the deepstack mergers
+    (`postshuffle_norm=True`) normalize the grouped row (over 4E).
+    """
+
+    def __init__(self, config: VisionConfig, *, postshuffle_norm: bool, dtype, param_dtype, rngs: nnx.Rngs):
+        self.postshuffle_norm = postshuffle_norm
+        merged = config.hidden_size * config.merge_unit
+        self.norm = LayerNorm(merged if postshuffle_norm else config.hidden_size, dtype=dtype,
+                              param_dtype=param_dtype, rngs=rngs)
+        self.linear_fc1 = Linear(merged, merged, use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.linear_fc2 = Linear(merged, config.out_hidden_size, use_bias=True, dtype=dtype,
+                                 param_dtype=param_dtype, rngs=rngs)
+        self.merged = merged
+
+    def __call__(self, x):  # [P, E] -> [N, O]
+        if self.postshuffle_norm:
+            x = self.norm(x.reshape(-1, self.merged))
+        else:
+            x = self.norm(x).reshape(-1, self.merged)
+        return self.linear_fc2(jax.nn.gelu(self.linear_fc1(x), approximate=False))
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionOutput:
+    """merged: `[N, O]`; deepstack: `[L, N, O]`; hidden_states: per-block `[P, E]` when requested."""
+
+    merged: jnp.ndarray
+    deepstack: jnp.ndarray
+    hidden_states: tuple[jnp.ndarray, ...] | None = None
+
+
+jax.tree_util.register_dataclass(
+    VisionOutput, data_fields=["merged", "deepstack", "hidden_states"], meta_fields=[]
+)
+
+
+class VisionModel(nnx.Module):
+    """`Qwen3VLVisionModel`: pixel patches + metadata -> merged and deepstack features."""
+
+    def __init__(self, config: VisionConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
+        param_dtype = param_dtype or dtype
+        self.config = config
+        self.dtype = dtype
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.patch_embed = PatchEmbed(config, **kw)
+        self.pos_embed = nnx.Embed(config.num_position_embeddings, config.hidden_size, dtype=dtype,
+                                   param_dtype=param_dtype, rngs=rngs)
+        self.blocks = nnx.List([VisionBlock(config, **kw) for _ in range(config.depth)])
+        self.merger = PatchMerger(config, postshuffle_norm=False, **kw)
+        self.deepstack_merger_list = nnx.List(
+            [PatchMerger(config, postshuffle_norm=True, **kw) for _ in config.deepstack_visual_indexes]
+        )
+
+    def __call__(
+        self,
+        pixel_values: jnp.ndarray,
+        meta: VisionMetadata,
+        *,
+        implementation: str = "xla",
+        return_hidden_states: bool = False,
+    ) -> VisionOutput:
+        x = self.patch_embed(pixel_values.astype(self.dtype))
+        pos = pos_embed_api.interpolate_pos_embed(
+            self.pos_embed.embedding[...], meta.pos_indices, meta.pos_weights, implementation=implementation
+        )
+        x = x + pos.astype(x.dtype)
+        cos, sin = vision_rotary_cos_sin(meta.rotary_ids, jnp.asarray(vision_rotary_inv_freq(self.config)))
+        taps = dict(zip(self.config.deepstack_visual_indexes, self.deepstack_merger_list))
+        deepstack, hidden = [], []
+        for index, block in enumerate(self.blocks):
+            x = block(x, cos, sin, meta.segment_ids, implementation)
+            if return_hidden_states:
+                hidden.append(x)
+            if index in taps:
+                deepstack.append(taps[index](x))
+        merged = self.merger(x)
+        stacked = jnp.stack(deepstack) if deepstack else jnp.zeros((0, *merged.shape), merged.dtype)
+        return VisionOutput(merged, stacked, tuple(hidden) if return_hidden_states else None)
