@@ -167,7 +167,8 @@ def load_hf_params(
     """
     out: dict[str, np.ndarray] = {}
     problems: list[str] = []
-    seen: dict[str, str] = {}
+    seen: dict[str, str] = {}  # HF name -> file
+    claimed: dict[str, str] = {}  # our path -> HF name (also for tensors rejected on shape)
     for file, name, array in iter_hf_tensors(directory):
         if on_tensor is not None:
             on_tensor(name)
@@ -185,6 +186,10 @@ def load_hf_params(
         if path not in expected:
             problems.append(f"unexpected tensor {name} {list(array.shape)} (the model has no {path})")
             continue
+        if path in claimed:
+            problems.append(f"tensors {claimed[path]} and {name} both fill {path}")
+            continue
+        claimed[path] = name
         value = transform.to_ours(array)
         shape, want_dtype = expected[path]
         if tuple(value.shape) != tuple(shape):
@@ -194,7 +199,7 @@ def load_hf_params(
             )
             continue
         out[path] = np.ascontiguousarray(value.astype(dtype or want_dtype, copy=False))
-    missing = sorted(set(expected) - set(out))
+    missing = sorted(set(expected) - set(claimed))
     for path in missing:
         try:
             hf_name = ours_to_hf_name(path)[0]

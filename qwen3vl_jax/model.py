@@ -11,6 +11,7 @@ Attribute names mirror HF (`visual.blocks[i].attn.qkv`, `language_model.layers[i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -22,10 +23,38 @@ from flax import nnx
 from .config import Qwen3VLConfig
 from .convert import load_hf_params
 from .layers import Linear
+from .mrope import get_rope_index
 from .text import TextModel
 from .vision import VisionModel, VisionOutput, validate_vision_inputs, vision_metadata
 
-__all__ = ["Qwen3VL", "param_shapes", "count_params"]
+__all__ = ["Qwen3VL", "MultimodalInputs", "param_shapes", "count_params"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MultimodalInputs:
+    """A prompt batch ready for the language model (all arrays; a pytree).
+
+    input_ids: `[B, L]` int32. attention_mask: `[B, L]` bool (False = padding).
+    positions: `[3, B, L]` int32 mRoPE positions; rope_deltas: `[B, 1]` int32 (decode offset).
+    visual_index: `[B, L]` int32 row of `features` spliced in at each position, -1 for text.
+    features: `[N, E]` merged visual features (images then videos), or None for text-only.
+    deepstack: `[K, N, E]` deepstack features, or None.
+    """
+
+    input_ids: jnp.ndarray
+    attention_mask: jnp.ndarray
+    positions: jnp.ndarray
+    rope_deltas: jnp.ndarray
+    visual_index: jnp.ndarray
+    features: jnp.ndarray | None
+    deepstack: jnp.ndarray | None
+
+
+jax.tree_util.register_dataclass(
+    MultimodalInputs,
+    data_fields=["input_ids", "attention_mask", "positions", "rope_deltas", "visual_index", "features", "deepstack"],
+    meta_fields=[],
+)
 
 
 class Qwen3VL(nnx.Module):
@@ -88,11 +117,135 @@ class Qwen3VL(nnx.Module):
                           return_hidden_states=return_hidden_states)
         return out if return_hidden_states else (out.merged, out.deepstack)
 
+    # ------------------------------------------------------------------ full model
+
+    def prepare_inputs(
+        self,
+        input_ids,
+        attention_mask=None,
+        mm_token_type_ids=None,
+        pixel_values=None,
+        image_grid_thw=None,
+        pixel_values_videos=None,
+        video_grid_thw=None,
+    ) -> MultimodalInputs:
+        """Host bookkeeping + vision encoding: everything the language model needs, as arrays.
+
+        `mm_token_type_ids` defaults to 1 at image pads, 2 at video pads, 0 elsewhere (what the
+        processor emits). Raises ValueError when placeholders and visual inputs disagree.
+        """
+        cfg = self.config
+        ids = np.asarray(input_ids)
+        if ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {ids.shape}")
+        mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
+        if mm_token_type_ids is None:
+            mm_token_type_ids = np.where(ids == cfg.image_token_id, 1, np.where(ids == cfg.video_token_id, 2, 0))
+        is_image = (ids == cfg.image_token_id) & mask
+        is_video = (ids == cfg.video_token_id) & mask
+        groups = []  # (pixels, grid) per modality, images first
+        for name, placeholders, pixels, grid in (
+            ("image", is_image, pixel_values, image_grid_thw),
+            ("video", is_video, pixel_values_videos, video_grid_thw),
+        ):
+            if (pixels is None) != (grid is None):
+                raise ValueError(f"pass both the {name} pixels and the {name} grid_thw, or neither")
+            expected = 0 if grid is None else int(np.asarray(grid).prod(axis=-1).sum()) // cfg.vision.merge_unit
+            if int(placeholders.sum()) != expected:
+                raise ValueError(
+                    f"{name} placeholders and {name} features do not match: the prompt has "
+                    f"{int(placeholders.sum())} {name} tokens but the {name} inputs give {expected} merged tokens"
+                )
+            if grid is not None:
+                groups.append((pixels, validate_vision_inputs(pixels, grid, cfg.vision)))
+
+        visual_index = np.full(ids.shape, -1, np.int32)
+        features = deepstack = None
+        if groups:
+            pixels = np.concatenate([np.asarray(p, np.float32) for p, _ in groups])
+            grid = np.concatenate([g for _, g in groups])
+            features, deepstack = self.encode_vision(pixels, grid)
+            n_image = int(is_image.sum())
+            visual_index[is_image] = np.arange(n_image)  # row-major over (batch, position), as HF scatters
+            visual_index[is_video] = n_image + np.arange(int(is_video.sum()))
+            positions, deltas = get_rope_index(ids, mm_token_type_ids, image_grid_thw, video_grid_thw, mask,
+                                               cfg.vision.spatial_merge_size)
+        else:
+            # Text only: HF uses plain 0..L-1 on all three axes (padding included) and no delta.
+            positions = np.broadcast_to(np.arange(ids.shape[1]), (3, *ids.shape))
+            deltas = np.zeros((ids.shape[0], 1), np.int64)
+        return MultimodalInputs(
+            input_ids=jnp.asarray(ids, jnp.int32),
+            attention_mask=jnp.asarray(mask),
+            positions=jnp.asarray(positions, jnp.int32),
+            rope_deltas=jnp.asarray(deltas, jnp.int32),
+            visual_index=jnp.asarray(visual_index),
+            features=features,
+            deepstack=deepstack,
+        )
+
+    def __call__(
+        self,
+        input_ids,
+        attention_mask=None,
+        mm_token_type_ids=None,
+        pixel_values=None,
+        image_grid_thw=None,
+        pixel_values_videos=None,
+        video_grid_thw=None,
+        *,
+        return_hidden_states: bool = False,
+    ):
+        """Logits `[B, L, V]` with the meaning of HF's `Qwen3VLForConditionalGeneration(...).logits`.
+
+        With `return_hidden_states`, returns `(logits, per-layer hidden states)`: each decoder layer's
+        output before its deepstack addition, as HF's `output_hidden_states` records them.
+        """
+        inputs = self.prepare_inputs(input_ids, attention_mask, mm_token_type_ids, pixel_values,
+                                     image_grid_thw, pixel_values_videos, video_grid_thw)
+        graphdef, state = nnx.split(self)
+        return _run_language_model(graphdef, state, inputs, implementation=self.attention_implementation,
+                                   return_hidden_states=return_hidden_states)
+
+    def embed(self, inputs: MultimodalInputs):
+        """Token embeddings with visual features spliced in, and the per-level deepstack additions."""
+        embeds = self.language_model.embed_tokens(inputs.input_ids)
+        if inputs.features is None:
+            return embeds, None
+        is_visual = inputs.visual_index >= 0
+        rows = jnp.maximum(inputs.visual_index, 0)
+        embeds = jnp.where(is_visual[..., None], inputs.features[rows].astype(embeds.dtype), embeds)
+        deepstack = jnp.where(is_visual[None, ..., None], inputs.deepstack[:, rows], 0)
+        return embeds, deepstack
+
+    def logits(self, hidden: jnp.ndarray) -> jnp.ndarray:
+        """`[..., E] -> [..., V]` through `lm_head`, or the embedding matrix when tied."""
+        if self.config.tie_word_embeddings:
+            return self.language_model.embed_tokens.attend(hidden)
+        return self.lm_head(hidden)
+
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "implementation", "return_hidden_states"))
 def _run_vision(graphdef, state, pixel_values, meta, *, implementation, return_hidden_states) -> VisionOutput:
     visual = nnx.merge(graphdef, state)
     return visual(pixel_values, meta, implementation=implementation, return_hidden_states=return_hidden_states)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "implementation", "return_hidden_states"))
+def _run_language_model(graphdef, state, inputs: MultimodalInputs, *, implementation, return_hidden_states):
+    model = nnx.merge(graphdef, state)
+    embeds, deepstack = model.embed(inputs)
+    length = inputs.input_ids.shape[1]
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    mask = causal[None] & inputs.attention_mask[:, None, :]
+    out = model.language_model(embeds, inputs.positions, mask, deepstack, implementation=implementation,
+                               return_hidden_states=return_hidden_states)
+    if return_hidden_states:
+        hidden, layers = out
+        return model.logits(hidden), layers
+    return model.logits(out)
 
 
 # ---------------------------------------------------------------------- state helpers

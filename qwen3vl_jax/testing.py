@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from typing import Any
 
 import numpy as np
@@ -125,7 +126,7 @@ def tiny_config(vocab_size: int, special_ids: dict[str, int]) -> Qwen3VLConfig:
 def random_params(config: Qwen3VLConfig, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
     """Deterministic random parameters `{our path: array}` with activations of order one.
 
-    Linear kernels ~ N(0, 1/fan_in); biases ~ N(0, 0.02^2); norm scales ~ 1 + N(0, 0.1^2);
+    Each parameter is a function of (seed, its path) only. Linear kernels ~ N(0, 1/fan_in); biases ~ N(0, 0.02^2); norm scales ~ 1 + N(0, 0.1^2);
     embeddings ~ N(0, 1).
     """
     from .model import Qwen3VL, param_shapes
@@ -133,10 +134,11 @@ def random_params(config: Qwen3VLConfig, seed: int = 0, dtype=np.float32) -> dic
     from flax import nnx
 
     shapes = param_shapes(nnx.state(Qwen3VL.abstract(config), nnx.Param))
-    rng = np.random.default_rng(seed)
     params = {}
     for path in sorted(shapes):
         shape, _ = shapes[path]
+        # One stream per parameter, so variants (tied, other depth) share the weights they have in common.
+        rng = np.random.default_rng([seed, zlib.crc32(path.encode())])
         leaf = path.rsplit(".", 1)[-1]
         if leaf == "kernel":
             value = rng.standard_normal(shape) / np.sqrt(shape[0])

@@ -130,9 +130,9 @@ class TextModel(nnx.Module):
         hidden = []
         for index, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, implementation)
+            if return_hidden_states:
+                hidden.append(x)  # the layer's own output, before deepstack (what HF records)
             if deepstack is not None and index < deepstack.shape[0]:
                 x = x + deepstack[index].astype(x.dtype)
-            if return_hidden_states:
-                hidden.append(x)
         x = self.norm(x)
         return (x, tuple(hidden)) if return_hidden_states else x

@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny HF-format checkpoints, the HF torch reference, and the tolerance table.
+
+Parity runs in float32 at the highest matmul precision on both sides, so any difference is
+rounding (different summation orders, transcendental implementations), never a numerics choice.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+# One tolerance table for every parity check: name -> (atol, rtol) applied as
+# |ours - ref| <= atol + rtol * |ref|.
+TOLERANCES = {
+    "f32_module": (2e-5, 2e-5),   # a single module (patch embed, block, merger, interpolation)
+    "f32_tower": (5e-5, 5e-5),    # the whole vision tower, many modules deep
+    "f32_logits": (1e-4, 1e-4),   # the whole model, vision + LLM
+    "bf16_tower": (0.15, 0.05),   # bf16 weights and compute against the f32 reference
+}
+
+
+def assert_close(ours, ref, kind: str, what: str = "") -> float:
+    """Assert elementwise closeness under TOLERANCES[kind]; returns the max abs difference."""
+    atol, rtol = TOLERANCES[kind]
+    ours = np.asarray(ours, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert ours.shape == ref.shape, f"{what}: shape {ours.shape} != reference {ref.shape}"
+    assert np.all(np.isfinite(ours)), f"{what}: non-finite values"
+    diff = np.abs(ours - ref)
+    excess = diff - (atol + rtol * np.abs(ref))
+    worst = np.unravel_index(np.argmax(excess), excess.shape) if excess.size else ()
+    assert excess.size == 0 or excess.max() <= 0, (
+        f"{what}: max |diff| {diff.max():.3g} at {worst} exceeds atol {atol} + rtol {rtol} * |ref| "
+        f"(ours {ours[worst]:.6g}, ref {ref[worst]:.6g})"
+    )
+    return float(diff.max()) if diff.size else 0.0
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    from qwen3vl_jax.testing import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_dir):
+    import torch  # the test extra installs it; a missing reference is a failure, not a skip
+    from transformers import Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def jax_model(tiny_dir):
+    from qwen3vl_jax import Qwen3VL
+
+    return Qwen3VL.from_pretrained(tiny_dir)

@@ -1,0 +1,91 @@
+"""The pure-jnp attention specs against plain dense softmax attention, and their memory bound."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention import reference
+
+
+def _dense_varlen(q, k, v, seg):
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(q.shape[-1])
+    allowed = (seg[:, None] == seg[None, :]) & (seg[None, :] >= 0)
+    s = np.where(allowed[None], s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    p = np.where(allowed[None], np.exp(s - np.where(np.isfinite(m), m, 0)), 0)
+    p = p / np.maximum(p.sum(-1, keepdims=True), 1e-300)
+    return np.einsum("hqk,khd->qhd", p, v)
+
+
+SEGMENTS = {
+    "uneven": [37, 100, 5, 250, 64],
+    "block_aligned": [64, 128, 64],
+    "many_tiny": [4] * 40,
+    "one_long": [700],
+    "with_padding": [50, 90, -30],  # a negative length is a padding run
+}
+
+
+@pytest.mark.parametrize("case", list(SEGMENTS))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_varlen_matches_dense(case, dtype):
+    lengths = SEGMENTS[case]
+    seg = np.concatenate([np.full(abs(n), i if n > 0 else -1) for i, n in enumerate(lengths)]).astype(np.int32)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((len(seg), 3, 16)).astype(np.float32) for _ in range(3))
+    out = reference.varlen_attention(*(jnp.asarray(x, dtype) for x in (q, k, v)), jnp.asarray(seg), block_size=64)
+    assert out.dtype == dtype
+    q, k, v = (np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in (q, k, v))
+    ref = _dense_varlen(q, k, v, seg)
+    atol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=atol, rtol=atol)
+    assert np.all(np.asarray(out)[seg < 0] == 0)
+
+
+def test_block_ranges_cover_only_overlapping_segments():
+    seg = jnp.asarray(np.repeat([0, 1, 2, -1], [10, 30, 20, 4]).astype(np.int32))
+    lo, hi = reference.segment_block_ranges(seg, 16)
+    # blocks: [0,16) seg 0,1 -> keys 0..39 -> blocks 0..2; [16,32) seg 1 -> 0..2; [32,48) seg 1,2 -> 0..3;
+    # [48,64) seg 2 and padding -> blocks 2..3
+    np.testing.assert_array_equal(lo, [0, 0, 0, 2])
+    np.testing.assert_array_equal(hi, [3, 3, 4, 4])
+
+
+def test_four_large_images_do_not_allocate_a_full_score_matrix():
+    """Four 1024x1024 images (4 x 4096 patches, 16 heads, head_dim 72) in one call."""
+    tokens, heads, dim = 4 * 4096, 16, 72
+    spec = jax.ShapeDtypeStruct((tokens, heads, dim), jnp.float32)
+    seg = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+    compiled = jax.jit(reference.varlen_attention).lower(spec, spec, spec, seg).compile()
+    memory = compiled.memory_analysis()
+    full_scores = tokens * tokens * heads * 4
+    per_segment_scores = 4096 * 4096 * heads * 4
+    assert memory.temp_size_in_bytes < per_segment_scores / 4, (
+        f"temp {memory.temp_size_in_bytes / 2**20:.0f} MiB; a full score matrix would be "
+        f"{full_scores / 2**30:.0f} GiB"
+    )
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_masked_attention_gqa(groups):
+    rng = np.random.default_rng(1)
+    b, length, heads, dim = 2, 9, 8, 16
+    q = rng.standard_normal((b, length, heads, dim)).astype(np.float32)
+    k, v = (rng.standard_normal((b, length, groups, dim)).astype(np.float32) for _ in range(2))
+    mask = np.tril(np.ones((length, length), bool))[None].repeat(b, 0)
+    mask[1, :, :3] = False  # left padding of 3 in row 1
+    out = np.asarray(reference.masked_attention(*map(jnp.asarray, (q, k, v, mask))))
+    rep = heads // groups
+    kk, vv = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)  # HF's repeat_kv order
+    s = np.einsum("blhd,bshd->bhls", q, kk) / np.sqrt(dim)
+    s = np.where(mask[:, None], s, -np.inf)
+    with np.errstate(invalid="ignore"):
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p = np.nan_to_num(p / p.sum(-1, keepdims=True))
+    ref = np.einsum("bhls,bshd->blhd", p, vv)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+    assert np.all(out[1, :3] == 0)  # fully masked rows (padding queries) are zero

@@ -1,0 +1,139 @@
+"""Whole-model logits parity with HF's `Qwen3VLForConditionalGeneration` (f32), and mRoPE positions.
+
+Inputs come from HF's own processor on the tiny checkpoint, so prompts carry exactly the layout HF
+builds (per-frame timestamps for video, left padding for batches).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_close
+from PIL import Image
+
+from qwen3vl_jax import Qwen3VL
+from qwen3vl_jax.mrope import get_rope_index
+from qwen3vl_jax.testing import make_tiny_checkpoint
+
+
+def _image(h, w, seed):
+    return Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype(np.uint8))
+
+
+def _video(frames, h, w, seed):
+    return (np.random.default_rng(seed).random((frames, h, w, 3)) * 255).astype(np.uint8)
+
+
+def _prompt(*parts):
+    content = [{"type": p} if p in ("image", "video") else {"type": "text", "text": p} for p in parts]
+    return [{"role": "user", "content": content}]
+
+
+CASES = {
+    "text_only": dict(prompts=[_prompt("Hello, how are you today?")]),
+    "one_image": dict(prompts=[_prompt("image", "Describe this image.")], images=[(100, 150)]),
+    "two_images": dict(prompts=[_prompt("image", "and", "image", "compare them")], images=[(64, 64), (96, 200)]),
+    "video_t3": dict(prompts=[_prompt("video", "What happens?")], videos=[(6, 64, 96, 2.0)]),
+    "image_and_video": dict(prompts=[_prompt("image", "video", "both")], images=[(80, 80)], videos=[(5, 64, 64, 3.0)]),
+    "batch_left_padding": dict(
+        prompts=[_prompt("image", "A long question about the picture here?"), _prompt("Short.")],
+        images=[(70, 90)],
+    ),
+}
+
+
+def _hf_inputs(processor, case):
+    spec = CASES[case]
+    texts = [processor.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in spec["prompts"]]
+    kwargs = {}
+    if "images" in spec:
+        kwargs["images"] = [_image(h, w, i) for i, (h, w) in enumerate(spec["images"])]
+    if "videos" in spec:
+        kwargs["videos"] = [_video(f, h, w, 10 + i) for i, (f, h, w, _) in enumerate(spec["videos"])]
+        kwargs["video_metadata"] = [
+            {"fps": fps, "total_num_frames": f, "frames_indices": list(range(f))} for f, _, _, fps in spec["videos"]
+        ]
+        kwargs["do_sample_frames"] = False
+    return processor(text=texts, return_tensors="pt", padding=True, padding_side="left", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_dir):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(tiny_dir)
+
+
+def _model_inputs(batch):
+    keys = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw",
+            "pixel_values_videos", "video_grid_thw")
+    return {k: batch[k] for k in keys if k in batch}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_parity(case, processor, hf_model, jax_model):
+    batch = _model_inputs(_hf_inputs(processor, case))
+    if case == "video_t3":
+        assert int(batch["video_grid_thw"][0, 0]) >= 3
+    with torch.no_grad():
+        ref = hf_model(**batch).logits.numpy()
+    ours = np.asarray(jax_model(**{k: v.numpy() for k, v in batch.items()}))
+    real = batch["attention_mask"].numpy().astype(bool)  # HF's logits at padding positions are arbitrary
+    assert_close(ours[real], ref[real], "f32_logits", case)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "text_only"])
+def test_rope_index_parity(case, processor, hf_model):
+    batch = _hf_inputs(processor, case)
+    ref_pos, ref_delta = hf_model.model.get_rope_index(
+        batch["input_ids"], batch["mm_token_type_ids"], batch.get("image_grid_thw"), batch.get("video_grid_thw"),
+        batch["attention_mask"],
+    )
+    pos, delta = get_rope_index(
+        batch["input_ids"].numpy(), batch["mm_token_type_ids"].numpy(),
+        None if "image_grid_thw" not in batch else batch["image_grid_thw"].numpy(),
+        None if "video_grid_thw" not in batch else batch["video_grid_thw"].numpy(),
+        batch["attention_mask"].numpy(), spatial_merge_size=2,
+    )
+    np.testing.assert_array_equal(pos, ref_pos.numpy())
+    np.testing.assert_array_equal(delta, ref_delta.numpy())
+
+
+@pytest.mark.parametrize("variant", ["tied_legacy_rope", "untied_v5_rope"])
+def test_logits_parity_config_variants(variant, tmp_path, processor):
+    from transformers import Qwen3VLForConditionalGeneration
+
+    tied = variant.startswith("tied")
+    d = make_tiny_checkpoint(tmp_path / variant, tie_word_embeddings=tied,
+                             rope_form="legacy" if "legacy" in variant else "v5", seed=7)
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(d).eval()
+    assert hf.config.tie_word_embeddings is tied
+    ours = Qwen3VL.from_pretrained(d)
+    batch = _model_inputs(_hf_inputs(processor, "image_and_video"))
+    with torch.no_grad():
+        ref = hf(**batch).logits.numpy()
+    assert_close(ours(**{k: v.numpy() for k, v in batch.items()}), ref, "f32_logits", variant)
+
+
+def test_placeholder_mismatch_is_an_error(processor, jax_model):
+    batch = {k: v.numpy() for k, v in _model_inputs(_hf_inputs(processor, "one_image")).items()}
+    ids = batch["input_ids"].copy()
+    ids[0, np.flatnonzero(ids[0] == jax_model.config.image_token_id)[0]] = 0  # drop one placeholder
+    with pytest.raises(ValueError, match="image placeholders and image features do not match: the prompt has"):
+        jax_model(ids, batch["attention_mask"], None, batch["pixel_values"], batch["image_grid_thw"])
+    with pytest.raises(ValueError, match="pass both the image pixels and the image grid_thw"):
+        jax_model(batch["input_ids"], batch["attention_mask"], None, batch["pixel_values"], None)
+
+
+def test_hidden_states_hook(processor, hf_model, jax_model):
+    batch = _model_inputs(_hf_inputs(processor, "one_image"))
+    with torch.no_grad():
+        ref = hf_model(**batch, output_hidden_states=True).hidden_states
+    logits, layers = jax_model(**{k: v.numpy() for k, v in batch.items()}, return_hidden_states=True)
+    assert len(layers) == jax_model.config.text.num_hidden_layers
+    # HF's tuple: the embeddings, then each decoder layer's output (before its deepstack addition),
+    # except that HF stores the last one after the final norm.
+    assert len(ref) == len(layers) + 1
+    for i, layer in enumerate(layers[:-1]):
+        assert_close(layer, ref[i + 1].numpy(), "f32_logits", f"layer {i}")
