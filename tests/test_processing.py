@@ -1,0 +1,534 @@
+"""Parity of qwen3vl_jax.processing with HF's Qwen3VLProcessor on the tiny checkpoint.
+
+Token ids, attention masks, mm_token_type_ids, grids and timestamps must be identical to HF's.
+Image pixels must be bit-identical to HF's PIL image processor (`Qwen2VLImageProcessorPil`); against
+HF's torchvision-backed image and video processors (what `AutoProcessor` loads) they may differ by
+resampling noise only (PIL bicubic vs torchvision antialiased bicubic, both on uint8): the bounds
+below are in normalized units (one uint8 level = 2/255 ~ 0.0078 with mean = std = 0.5).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from qwen3vl_jax.processing import (
+    Qwen3VLProcessor,
+    frame_timestamps,
+    load_video,
+    sample_frame_indices,
+    smart_resize,
+)
+from qwen3vl_jax.testing import make_tiny_checkpoint
+
+pytest.importorskip("torch")
+pytest.importorskip("torchvision")
+av = pytest.importorskip("av")
+
+LEVEL = 2 / 255  # one uint8 step after rescale (1/255) and normalize (std 0.5)
+# Resampling noise bound vs the torchvision-backed processors. torchvision's antialiased bicubic
+# on uint8 is Pillow's algorithm (same a = -0.5 kernel and support), but both resample in two
+# separable passes through a rounded intermediate, and torchvision does not always take Pillow's
+# pass order (horizontal first) nor a uint8 intermediate (5-D video tensors). The rounding then
+# differs by up to a few levels where the content is noisy. Measured on these test images
+# (`pytest -s` prints each case): most cases mean < 0.01 level, max <= 2 levels; worst cases
+# (a 2000x11 image resized anisotropically, a 40x56 video upscaled to 64x64, several images):
+# mean 0.28 level, max 5 levels.
+TV_MEAN_BOUND, TV_MAX_BOUND = 0.4 * LEVEL, 6 * LEVEL
+
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+VID = "<|vision_start|><|video_pad|><|vision_end|>"
+
+warnings.filterwarnings("ignore", message=".*cap_pixels_per_frame.*")
+
+
+# ----------------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("proc") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(ckpt)
+
+
+@pytest.fixture(scope="module")
+def hf_pil(ckpt):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil.from_pretrained(ckpt)
+
+
+@pytest.fixture(scope="module")
+def ours(ckpt):
+    return Qwen3VLProcessor.from_pretrained(ckpt)
+
+
+def rand_image(h, w, seed=0, mode="RGB"):
+    """A smooth-plus-noise image (resampling of pure noise would exaggerate the differences)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w]
+    base = np.stack([127 + 100 * np.sin(x / 7.0 + c) * np.cos(y / 5.0 - c) for c in range(3)], -1)
+    arr = np.clip(base + rng.normal(0, 20, (h, w, 3)), 0, 255).astype(np.uint8)
+    img = Image.fromarray(arr)
+    return img.convert(mode) if mode != "RGB" else img
+
+
+def rand_video(t, h, w, seed=0):
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w]
+    frames = []
+    for i in range(t):
+        base = np.stack([127 + 100 * np.sin((x + 3 * i) / 6.0 + c) * np.cos(y / 4.0) for c in range(3)], -1)
+        frames.append(np.clip(base + rng.normal(0, 15, (h, w, 3)), 0, 255))
+    return np.stack(frames).astype(np.uint8)
+
+
+def np_out(d):
+    return {k: v for k, v in d.items()}
+
+
+def assert_same_text(a, b):
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+        np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
+
+
+def pixel_diff(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    d = np.abs(a - b)
+    return float(d.mean()), float(d.max())
+
+
+def assert_resampling_noise(a, b, what):
+    """Assert (and print, for `pytest -s`) the pixel difference to a torchvision-backed processor."""
+    mean, mx = pixel_diff(a, b)
+    mean_bound, max_bound = TV_MEAN_BOUND, TV_MAX_BOUND
+    print(f"pixel diff vs torchvision, {what}: mean {mean:.2e} ({mean / LEVEL:.4f} level), "
+          f"max {mx:.2e} ({mx / LEVEL:.2f} levels)")
+    assert mean <= mean_bound and mx <= max_bound + 1e-6, (
+        f"{what}: mean |diff| {mean:.2e} (bound {mean_bound:.2e}), max {mx:.2e} (bound {max_bound:.2e})")
+    return mean, mx
+
+
+def hf_timestamps(hf, out):
+    return [hf._calculate_timestamps(list(m.frames_indices), m.fps, hf.video_processor.temporal_patch_size)
+            for m in out["video_metadata"]]
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenizer and images
+
+
+def test_tokenizer_matches_hf(hf, ours):
+    texts = [
+        "Hello, world!  How are   you?\n\nI'm fine 12345 ...",
+        "ünïcödé 東京 😀 don't   \t tabs  ",
+        "<|im_start|>user\nDescribe.<|im_end|>\n<|im_start|>assistant\n",
+        "  leading spaces<|endoftext|>x<0.5 seconds><|vision_start|><|vision_end|>",
+        "",
+    ]
+    for text in texts:
+        assert ours.encode([text])[0] == hf.tokenizer(text)["input_ids"], text
+    ids = hf.tokenizer(texts[0])["input_ids"]
+    assert ours.decode(ids) == hf.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+IMAGE_SIZES = [
+    (1, 1),        # very small: up-scaled to the min pixel budget
+    (5, 1),
+    (17, 23),
+    (64, 64),
+    (97, 203),
+    (600, 900),    # larger than max_pixels (512 * 512): down-scaled
+    (10, 1000),    # aspect ratio 100
+    (4, 800),      # aspect ratio 200: the largest HF allows
+    (2000, 11),    # tall, ratio ~182
+]
+
+
+@pytest.mark.parametrize("hw", IMAGE_SIZES, ids=[f"{h}x{w}" for h, w in IMAGE_SIZES])
+def test_image_parity(hf, hf_pil, ours, hw):
+    h, w = hw
+    image = rand_image(h, w, seed=h * 7 + w)
+    text = f"<|im_start|>user\nLook: {IMG} ok<|im_end|>\n"
+    a = hf(text=text, images=[image], return_tensors="np")
+    b = ours(text=text, images=[image], return_tensors="np")
+    assert_same_text(a, b)
+    np.testing.assert_array_equal(a["image_grid_thw"], b["image_grid_thw"])
+    assert b["pixel_values"].dtype == np.float32
+    # bit-identical to HF's PIL image processor
+    p = hf_pil(images=[image], return_tensors="np")
+    np.testing.assert_array_equal(p["image_grid_thw"], b["image_grid_thw"])
+    np.testing.assert_array_equal(p["pixel_values"], b["pixel_values"])
+    # the grid follows smart_resize
+    rh, rw = smart_resize(h, w, 32, 32 * 32 * 4, 32 * 32 * 256)
+    assert b["image_grid_thw"].tolist() == [[1, rh // 16, rw // 16]]
+    # resampling noise against the torchvision-backed one
+    assert_resampling_noise(a["pixel_values"], b["pixel_values"], f"image {h}x{w}")
+
+
+def test_image_input_kinds(hf_pil, ours, tmp_path):
+    """PIL (RGB, RGBA, L, P), numpy HWC / CHW / 2-D arrays and file paths give HF's PIL values."""
+    base = rand_image(45, 70, seed=3)
+    rgba = base.convert("RGBA")
+    alpha = np.array(rgba)
+    alpha[..., 3] = np.linspace(0, 255, 70, dtype=np.uint8)[None, :]
+    rgba = Image.fromarray(alpha, "RGBA")
+    path = tmp_path / "img.png"
+    base.save(path)
+    inputs = [base, rgba, base.convert("L"), base.convert("P"), np.array(base), np.array(base).transpose(2, 0, 1),
+              np.array(base).astype(np.float32), np.array(base)[..., :1]]
+    for image in inputs:
+        p = hf_pil(images=[image], return_tensors="np")
+        b = ours.image_processor([image])
+        np.testing.assert_array_equal(p["image_grid_thw"], b["image_grid_thw"])
+        np.testing.assert_array_equal(p["pixel_values"], b["pixel_values"])
+    # a 2-D array (HF refuses it) is a grayscale image
+    gray = hf_pil(images=[base.convert("L")], return_tensors="np")
+    np.testing.assert_array_equal(ours.image_processor([np.array(base.convert("L"))])["pixel_values"],
+                                  gray["pixel_values"])
+    # a path is read like HF's load_image (EXIF-upright, RGB)
+    p = hf_pil(images=[base], return_tensors="np")
+    b = ours.image_processor([str(path)])
+    np.testing.assert_array_equal(p["pixel_values"], b["pixel_values"])
+
+
+def test_several_images_and_batch(hf, hf_pil, ours):
+    images = [rand_image(h, w, seed=i) for i, (h, w) in enumerate([(40, 40), (300, 120), (33, 500), (700, 700)])]
+    texts = [f"<|im_start|>user\n{IMG} and {IMG}: which?<|im_end|>\n",
+             f"{IMG}{IMG} x"]
+    a = hf(text=texts, images=images, return_tensors="np", padding=True)
+    b = ours(text=texts, images=images, return_tensors="np", padding=True)
+    assert_same_text(a, b)
+    np.testing.assert_array_equal(a["image_grid_thw"], b["image_grid_thw"])
+    np.testing.assert_array_equal(hf_pil(images=images, return_tensors="np")["pixel_values"], b["pixel_values"])
+    assert_resampling_noise(a["pixel_values"], b["pixel_values"], "several images")
+    # the image tokens are typed 1, and their count per image is t*h*w / merge^2
+    assert (b["mm_token_type_ids"] == 1).sum() == int(b["image_grid_thw"].prod(-1).sum()) // 4
+    # left padding as well; and without padding a ragged batch cannot become a tensor
+    a = hf(text=texts, images=images, return_tensors="np", padding=True, padding_side="left")
+    b = ours(text=texts, images=images, return_tensors="np", padding=True, padding_side="left")
+    assert_same_text(a, b)
+    with pytest.raises(ValueError, match="padding"):
+        ours(text=texts, images=images, return_tensors="np")
+    # lists without return_tensors, as HF
+    a = hf(text=texts, images=images)
+    b = ours(text=texts, images=images)
+    assert a["input_ids"] == b["input_ids"] and a["mm_token_type_ids"] == b["mm_token_type_ids"]
+
+
+def test_min_max_pixel_overrides(hf, hf_pil, ours, tmp_path):
+    image = rand_image(300, 420, seed=5)
+    text = f"{IMG} hi"
+    video = rand_video(6, 90, 120, seed=5)
+    vtext = f"{VID} hi"
+    for size in [{"shortest_edge": 64 * 64, "longest_edge": 128 * 128},
+                 {"shortest_edge": 256 * 256, "longest_edge": 1024 * 1024}]:
+        a = hf(text=text, images=[image], images_kwargs={"size": size}, return_tensors="np")
+        b = ours(text=text, images=[image], images_kwargs={"size": size}, return_tensors="np")
+        assert_same_text(a, b)
+        np.testing.assert_array_equal(a["image_grid_thw"], b["image_grid_thw"])
+        p = hf_pil(images=[image], size=size, return_tensors="np")
+        np.testing.assert_array_equal(p["pixel_values"], b["pixel_values"])
+        # top-level size: applies to images and videos, as in HF
+        a = hf(text=vtext, videos=[video], size=size, return_tensors="np")
+        b = ours(text=vtext, videos=[video], size=size, return_tensors="np")
+        assert_same_text(a, b)
+        np.testing.assert_array_equal(a["video_grid_thw"], b["video_grid_thw"])
+    # overrides in the checkpoint's preprocessor configs
+    small = make_tiny_checkpoint(tmp_path / "small", image_size={"shortest_edge": 32 * 32, "longest_edge": 96 * 96},
+                                 video_size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64 * 8})
+    from transformers import AutoProcessor
+
+    hf_small, ours_small = AutoProcessor.from_pretrained(small), Qwen3VLProcessor.from_pretrained(small)
+    text = f"{IMG}{VID}"
+    a = hf_small(text=text, images=[image], videos=[video], return_tensors="np")
+    b = ours_small(text=text, images=[image], videos=[video], return_tensors="np")
+    assert_same_text(a, b)
+    for key in ("image_grid_thw", "video_grid_thw"):
+        np.testing.assert_array_equal(a[key], b[key])
+    assert b["image_grid_thw"].prod() <= 96 * 96 // 256
+    # and min/max overrides at from_pretrained time
+    o = Qwen3VLProcessor.from_pretrained(small, images_kwargs={"min_pixels": 64 * 64, "max_pixels": 64 * 64})
+    rh, rw = smart_resize(300, 420, 32, 64 * 64, 64 * 64)
+    assert o(images=[image])["image_grid_thw"].tolist() == [[1, rh // 16, rw // 16]]
+    hf_o = AutoProcessor.from_pretrained(small, min_pixels=64 * 64, max_pixels=64 * 64)
+    np.testing.assert_array_equal(hf_o.image_processor(images=[image], return_tensors="np")["image_grid_thw"],
+                                  o(images=[image])["image_grid_thw"])
+
+
+# ----------------------------------------------------------------------------------------------
+# videos
+
+
+VIDEO_CASES = [
+    # frames, source fps (None: no metadata), height, width
+    (2, None, 40, 56),      # the fewest frames that make a temporal patch
+    (7, 30.0, 33, 47),      # odd count, few frames: min_frames=4 from 7
+    (37, 10.0, 50, 70),     # odd count, 7 sampled (odd): last frame repeated
+    (65, 24.0, 24, 100),    # frames smaller than a 32-pixel factor
+    (9, 2.5, 60, 45),
+    (30, 29.97, 96, 128),
+]
+
+
+@pytest.mark.parametrize("case", VIDEO_CASES, ids=[f"{c[0]}f@{c[1]}" for c in VIDEO_CASES])
+def test_video_array_parity(hf, ours, case):
+    t, fps, h, w = case
+    video = rand_video(t, h, w, seed=t)
+    meta = None if fps is None else [{"fps": fps, "total_num_frames": t}]
+    text = f"<|im_start|>user\n{VID} what happens?<|im_end|>\n"
+    a = hf(text=text, videos=[video], video_metadata=meta, return_tensors="np", return_metadata=True)
+    b = ours(text=text, videos=[video], video_metadata=meta, return_tensors="np", return_metadata=True)
+    assert_same_text(a, b)
+    np.testing.assert_array_equal(a["video_grid_thw"], b["video_grid_thw"])
+    assert list(a["video_metadata"][0].frames_indices) == b["video_metadata"][0].frames_indices
+    assert b["video_timestamps"] == hf_timestamps(hf, a)
+    assert b["pixel_values_videos"].dtype == np.float32
+    assert_resampling_noise(a["pixel_values_videos"], b["pixel_values_videos"], f"video {case}")
+    # the prompt holds one "<t.t seconds>" per temporal patch
+    decoded = ours.decode(b["input_ids"][0], skip_special_tokens=False)
+    for ts in b["video_timestamps"][0]:
+        assert f"<{ts:.1f} seconds><|vision_start|>" in decoded
+    assert (b["mm_token_type_ids"] == 2).sum() == int(b["video_grid_thw"].prod()) // 4
+
+
+def test_video_sampling_options(hf, ours):
+    video = rand_video(21, 40, 40, seed=1)
+    text = f"{VID}"
+    meta = [{"fps": 7.0, "total_num_frames": 21}]
+    cases = [dict(num_frames=5, fps=None), dict(fps=1.0), dict(fps=6.0), dict(do_sample_frames=False)]
+    for kw in cases:
+        # HF needs frames_indices in the metadata when it does not sample
+        hf_meta = [{**meta[0], "frames_indices": list(range(21))}] if "do_sample_frames" in kw else meta
+        a = hf(text=text, videos=[video], video_metadata=hf_meta, return_tensors="np", return_metadata=True, **kw)
+        ours_kw = {k: v for k, v in kw.items() if v is not None}
+        b = ours(text=text, videos=[video], video_metadata=meta, return_tensors="np", return_metadata=True,
+                 **ours_kw)
+        assert_same_text(a, b)
+        np.testing.assert_array_equal(a["video_grid_thw"], b["video_grid_thw"])
+        assert b["video_timestamps"] == hf_timestamps(hf, a), kw
+    # two videos (and an image) in one prompt
+    frames = rand_video(6, 36, 52, seed=2)
+    image = rand_image(50, 50)
+    text = f"{VID} then {IMG} then {VID}"
+    metas = [{"fps": 7.0, "total_num_frames": 21}, {"fps": 3.0, "total_num_frames": 6}]
+    a = hf(text=text, images=[image], videos=[video, frames], video_metadata=metas, return_tensors="np")
+    b = ours(text=text, images=[image], videos=[video, frames], video_metadata=metas, return_tensors="np")
+    # a video given as a list of PIL frames (HF cannot sample those) is the same as the array
+    c = ours(text=text, images=[image], videos=[video, [Image.fromarray(f) for f in frames]],
+             video_metadata=metas, return_tensors="np")
+    np.testing.assert_array_equal(b["pixel_values_videos"], c["pixel_values_videos"])
+    assert_same_text(b, c)
+    assert_same_text(a, b)
+    np.testing.assert_array_equal(a["video_grid_thw"], b["video_grid_thw"])
+    assert_resampling_noise(a["pixel_values_videos"], b["pixel_values_videos"], "two videos")
+
+
+def test_sampling_and_timestamp_helpers():
+    assert sample_frame_indices(100, 25.0, fps=2, min_frames=4, max_frames=768).tolist() == \
+        np.linspace(0, 99, 8).round().astype(int).tolist()
+    assert len(sample_frame_indices(3, 30.0, fps=2)) == 3          # never more than the video has
+    assert len(sample_frame_indices(10_000, 1.0, fps=2, max_frames=64)) == 64
+    assert frame_timestamps([0, 6, 12], 10.0, 2) == [0.3, 1.2]     # last index repeated to fill a patch
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        sample_frame_indices(10, 1.0, fps=2, num_frames=4)
+
+
+def write_video(path, frames, fps, codec="mpeg4"):
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=Fraction(fps).limit_denominator(1001))
+        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.pix_fmt = "yuv420p"
+        for f in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+@pytest.mark.parametrize("n,fps", [(23, 12), (40, 30)])
+def test_video_file_parity(hf, ours, tmp_path, n, fps):
+    """A real mp4 written with PyAV: HF decodes it with its PyAV reader (its default reader,
+    torchcodec, is not installed here), then samples; we take the path."""
+    from transformers.video_utils import load_video as hf_load_video
+
+    path = tmp_path / f"clip_{n}.mp4"
+    write_video(path, rand_video(n, 48, 64, seed=n), fps)
+    hf_frames, hf_meta = hf_load_video(str(path), backend="pyav")
+    our_frames, our_meta = load_video(path)
+    np.testing.assert_array_equal(hf_frames, our_frames)
+    assert (our_meta.total_num_frames, our_meta.fps) == (hf_meta.total_num_frames, hf_meta.fps)
+
+    text = f"<|im_start|>user\n{VID} describe<|im_end|>\n"
+    meta = [{"fps": hf_meta.fps, "total_num_frames": hf_meta.total_num_frames}]
+    a = hf(text=text, videos=[hf_frames], video_metadata=meta, return_tensors="np", return_metadata=True)
+    b = ours(text=text, videos=[str(path)], return_tensors="np", return_metadata=True)
+    assert_same_text(a, b)
+    np.testing.assert_array_equal(a["video_grid_thw"], b["video_grid_thw"])
+    assert b["video_timestamps"] == hf_timestamps(hf, a)
+    assert_resampling_noise(a["pixel_values_videos"], b["pixel_values_videos"], f"video file {n}@{fps}")
+
+
+# ----------------------------------------------------------------------------------------------
+# chat template
+
+
+def test_chat_template(hf, ours, tmp_path):
+    image = rand_image(64, 96, seed=9)
+    video = rand_video(8, 40, 40, seed=9)
+    messages = [
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": [
+            {"type": "image", "image": image},
+            {"type": "text", "text": "What is this? And this:"},
+            {"type": "video", "video": video},
+        ]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A fox."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Again"}, {"type": "image", "image": image}]},
+    ]
+    for gen in (False, True):
+        assert ours.apply_chat_template(messages, add_generation_prompt=gen) == \
+            hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
+    # batched conversations render one prompt each
+    assert ours.apply_chat_template([messages, messages[:1]]) == hf.apply_chat_template(
+        [messages, messages[:1]], tokenize=False)
+    # tokenize=True processes the parts' payloads, as HF does
+    a = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                               return_tensors="np")
+    b = ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_tensors="np")
+    assert_same_text(a, b)
+    for key in ("image_grid_thw", "video_grid_thw"):
+        np.testing.assert_array_equal(a[key], b[key])
+    assert_resampling_noise(a["pixel_values"], b["pixel_values"], "chat image")
+    # a rendered prompt through __call__ gives the same as tokenize=True
+    prompt = ours.apply_chat_template(messages, add_generation_prompt=True)
+    c = ours(text=prompt, images=[image, image], videos=[video], return_tensors="np")
+    assert_same_text(b, c)
+
+
+# ----------------------------------------------------------------------------------------------
+# the pruning hook
+
+
+def test_video_tokens_per_frame_hook(ours):
+    video = rand_video(12, 64, 64, seed=4)
+    meta = [{"fps": 4.0, "total_num_frames": 12}]
+    text = f"<|im_start|>user\n{VID} hm<|im_end|>\n"
+    full = ours(text=text, videos=[video], video_metadata=meta, return_tensors="np")
+    t, h, w = full["video_grid_thw"][0].tolist()
+    per_frame = h * w // 4
+    # the full counts reproduce the default expansion
+    same = ours(text=text, videos=[video], video_metadata=meta, return_tensors="np",
+                video_tokens_per_frame=[[per_frame] * t])
+    assert_same_text(full, same)
+    # vLLM-style EVS layout: all retained tokens in frame 0, timestamps and markers kept per frame
+    kept = (t * per_frame) // 3
+    pruned = ours(text=text, videos=[video], video_metadata=meta, return_tensors="np",
+                  video_tokens_per_frame=[[kept] + [0] * (t - 1)])
+    ids = pruned["input_ids"][0]
+    assert (ids == ours.video_token_id).sum() == kept
+    assert (pruned["mm_token_type_ids"][0] == 2).sum() == kept
+    assert (ids == ours.vision_start_token_id).sum() == t + 1  # outer wrapper + one per frame
+    expected = text.replace("<|video_pad|>", ours.video_placeholder(full["video_timestamps"][0],
+                                                                    [kept] + [0] * (t - 1)))
+    assert ids.tolist() == ours.encode([expected])[0]
+    # pixels are not touched by the hook
+    np.testing.assert_array_equal(full["pixel_values_videos"], pruned["pixel_values_videos"])
+    with pytest.raises(ValueError, match="one count per temporal patch"):
+        ours(text=text, videos=[video], video_metadata=meta, video_tokens_per_frame=[[1, 2]])
+    with pytest.raises(ValueError, match="non-negative"):
+        ours(text=text, videos=[video], video_metadata=meta, video_tokens_per_frame=[[-1] * t])
+
+
+# ----------------------------------------------------------------------------------------------
+# refusals
+
+
+def test_errors_match_hf(hf, ours, tmp_path):
+    # aspect ratio above HF's limit of 200 (images and video frames)
+    for image in (rand_image(3, 700), rand_image(1, 201)):
+        with pytest.raises(ValueError, match="aspect ratio must be smaller than 200"):
+            hf(text=IMG, images=[image])
+        with pytest.raises(ValueError, match="aspect ratio must be smaller than 200"):
+            ours(text=IMG, images=[image])
+    video = np.zeros((4, 2, 500, 3), np.uint8)
+    for proc in (hf, ours):
+        with pytest.raises(ValueError, match="aspect ratio must be smaller than 200"):
+            proc(text=VID, videos=[video])
+    # too small: a video with fewer frames than a temporal patch (HF: "t:1 must be larger ...")
+    for proc in (hf, ours):
+        with pytest.raises(ValueError, match="must be larger than temporal_factor"):
+            proc(text=VID, videos=[np.zeros((1, 64, 64, 3), np.uint8)])
+    # too small: an empty image (HF fails with a ZeroDivisionError; we say what is wrong)
+    with pytest.raises(ZeroDivisionError):
+        hf(text=IMG, images=[np.zeros((0, 0, 3), np.uint8)])
+    with pytest.raises(ValueError, match="too small"):
+        ours(text=IMG, images=[np.zeros((0, 0, 3), np.uint8)])
+    # placeholders not matching the inputs
+    image = rand_image(40, 40)
+    with pytest.raises(ValueError, match="number of"):
+        hf(text=IMG + IMG, images=[image])
+    with pytest.raises(ValueError, match=r"2 <\|image_pad\|> placeholder\(s\) but 1 image"):
+        ours(text=IMG + IMG, images=[image])
+    for proc in (hf, ours):
+        with pytest.raises(ValueError):
+            proc(text="no placeholder", images=[image])
+        with pytest.raises(ValueError):
+            proc(text=VID, videos=[rand_video(4, 32, 32)] * 2)
+    with pytest.raises(ValueError, match=r"1 <\|image_pad\|> placeholder\(s\) but 2 image"):
+        ours(text=IMG, images=[image, image])
+    with pytest.raises(ValueError, match="video_pad"):
+        ours(text=IMG, images=[image], videos=[rand_video(4, 32, 32)])
+    # unreadable / missing files
+    bad = tmp_path / "bad.mp4"
+    bad.write_bytes(b"this is not a video" * 50)
+    with pytest.raises(ValueError, match="could not read video file"):
+        ours(text=VID, videos=[str(bad)])
+    with pytest.raises(FileNotFoundError):
+        ours(text=VID, videos=[str(tmp_path / "missing.mp4")])
+    bad_img = tmp_path / "bad.png"
+    bad_img.write_bytes(b"\x89PNG not really")
+    with pytest.raises(ValueError, match="could not read image file"):
+        ours(text=IMG, images=[str(bad_img)])
+    with pytest.raises(FileNotFoundError):
+        ours(text=IMG, images=[str(tmp_path / "missing.png")])
+    # other misuse
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        ours(text="x", bogus=1)
+    with pytest.raises(ValueError, match="non-integer float"):
+        ours(text=IMG, images=[np.full((8, 8, 3), 0.5, np.float32)])
+
+
+def test_no_torch_at_run_time(ckpt, tmp_path):
+    """A full run (image, video array, video file) imports neither torch nor torchvision."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "clip.mp4"
+    write_video(path, rand_video(9, 32, 48), 8)
+    code = (
+        "import sys, numpy as np\n"
+        "from qwen3vl_jax.processing import Qwen3VLProcessor\n"
+        "p = Qwen3VLProcessor.from_pretrained(sys.argv[1])\n"
+        "v = np.zeros((5, 40, 40, 3), np.uint8)\n"
+        "t = '<|image_pad|><|video_pad|><|video_pad|>'\n"
+        "out = p(text=t, images=[np.zeros((30, 30, 3), np.uint8)], videos=[v, sys.argv[2]], return_tensors='np')\n"
+        "p.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"
+        "bad = [m for m in ('torch', 'torchvision') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code, str(ckpt), str(path)], check=True, cwd=root)
