@@ -67,8 +67,8 @@ def varlen_attention(q, k, v, segment_ids, *, block_size: int = 256):
         segment_ids = jnp.pad(segment_ids, (0, pad), constant_values=-1)
     lo, hi = segment_block_ranges(segment_ids, block)
     num_blocks = padded // block
-    kb = k.reshape(num_blocks, block, heads, dim)
-    vb = v.reshape(num_blocks, block, heads, dim)
+    # Heads-major blocks [n, H, block, D], so each block visit is a plain batched matmul.
+    qb, kb, vb = (x.reshape(num_blocks, block, heads, dim).transpose(0, 2, 1, 3) for x in (q, k, v))
     sb = segment_ids.reshape(num_blocks, block)
     scale = dim**-0.5
 
@@ -78,14 +78,14 @@ def varlen_attention(q, k, v, segment_ids, *, block_size: int = 256):
         def visit(j, carry):
             m, l, acc = carry
             k_blk, v_blk, k_seg = kb[j], vb[j], sb[j]
-            s = jnp.einsum("qhd,khd->hqk", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
+            s = jnp.einsum("hqd,hkd->hqk", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
             mask = (q_seg[:, None] == k_seg[None, :]) & (k_seg[None, :] >= 0)
             s = jnp.where(mask[None], s, _MASKED)
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = jnp.exp(s - m_new[..., None]) * mask[None]
             alpha = jnp.exp(m - m_new)
             l = l * alpha + p.sum(axis=-1)
-            pv = jnp.einsum("hqk,khd->hqd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
+            pv = jnp.einsum("hqk,hkd->hqd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
             return m_new, l, acc * alpha[..., None] + pv
 
         init = (
@@ -94,11 +94,10 @@ def varlen_attention(q, k, v, segment_ids, *, block_size: int = 256):
             jnp.zeros((heads, block, dim), jnp.float32),
         )
         _, l, acc = jax.lax.fori_loop(k_lo, k_hi, visit, init)
-        out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-        return out.transpose(1, 0, 2).astype(q.dtype)
+        return (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(q.dtype)
 
-    qb = q.reshape(num_blocks, block, heads, dim)
-    out = jax.lax.map(one_query_block, (qb, sb, lo, hi))
+    out = jax.lax.map(one_query_block, (qb, sb, lo, hi))  # [n, H, block, D]
+    out = out.transpose(0, 2, 1, 3)
     return out.reshape(padded, heads, dim)[:size]
 
 
