@@ -417,20 +417,38 @@ def _resize(frame: np.ndarray, height: int, width: int, resample: int) -> np.nda
 def _patchify(frames: np.ndarray, config: _PixelConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
     """uint8 (T, H, W, 3) -> float32 [t*h*w, C*T*p*p] patches (HF's order) and (t, h, w).
 
-    T must be a multiple of the temporal patch size. The uint8 array is rearranged first and the
-    lookup table applied last, so the float output is written once.
+    T is a multiple of the temporal patch size, or 1 for an image (its frame then fills the whole
+    temporal patch, as HF repeats it). The lookup table is applied on the channel-major uint8
+    frames (contiguous, before any temporal repetition) and one strided copy writes the output.
     """
     tp, p, m = config.temporal_patch_size, config.patch_size, config.merge_size
     n, height, width, c = frames.shape
-    gt, gh, gw = n // tp, height // p, width // p
-    x = frames.reshape(gt, tp, gh // m, m, p, gw // m, m, p, c)
-    # (gt, tp, bh, mh, ph, bw, mw, pw, c) -> (gt, bh, bw, mh, mw, c, tp, ph, pw)
-    x = x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7).reshape(gt * gh * gw, c, tp * p * p)
+    gt, gh, gw = max(n // tp, 1), height // p, width // p
+    src_t = tp if n > 1 else 1
+    planes = np.ascontiguousarray(frames.transpose(3, 0, 1, 2))  # (C, T, H, W)
     lut = config.lookup_table()
-    out = np.empty(x.shape, dtype=np.float32)
+    values = np.empty(planes.shape, dtype=np.float32)
     for ch in range(c):
-        np.take(lut[ch], x[:, ch], out=out[:, ch])
+        np.take(lut[ch], planes[ch], out=values[ch])
+    # (C, gt, T, bh, mh, ph, bw, mw, pw) -> (gt, bh, bw, mh, mw, C, T, ph, pw)
+    src = values.reshape(c, gt, src_t, gh // m, m, p, gw // m, m, p).transpose(1, 3, 6, 4, 7, 0, 2, 5, 8)
+    out = np.empty((gt, gh // m, gw // m, m, m, c, tp, p, p), dtype=np.float32)
+    out[...] = src  # broadcasts an image's single frame over the temporal patch
     return out.reshape(gt * gh * gw, c * tp * p * p), (gt, gh, gw)
+
+
+def _map(fn, items: list, num_threads: int) -> list:
+    """`list(map(fn, items))`, on a thread pool when it pays (PIL and numpy release the GIL)."""
+    if num_threads <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(num_threads, len(items))) as pool:
+        return list(pool.map(fn, items))
+
+
+def _default_threads() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 class ImageProcessor:
@@ -467,19 +485,18 @@ class ImageProcessor:
             raise ValueError(f"with do_resize=False the image size ({height}, {width}) must be a multiple of "
                              f"patch_size * merge_size = {config.factor}")
         # An image is one temporal patch: the frame repeated temporal_patch_size times.
-        frames = np.broadcast_to(rgb[None], (config.temporal_patch_size, *rgb.shape))
-        return _patchify(frames, config)
+        return _patchify(rgb[None], config)
 
-    def __call__(self, images: Any, input_data_format: str | None = None, **kwargs) -> dict[str, np.ndarray]:
+    def __call__(self, images: Any, input_data_format: str | None = None, num_threads: int | None = None,
+                 **kwargs) -> dict[str, np.ndarray]:
         config = _size_overrides(self.config, kwargs)
         images = _flatten_images(images)
         if not images:
             raise ValueError("no images given")
-        patches, grids = [], []
-        for image in images:
-            x, grid = self.process_one(image, config, input_data_format)
-            patches.append(x)
-            grids.append(grid)
+        threads = _default_threads() if num_threads is None else num_threads
+        results = _map(lambda image: self.process_one(image, config, input_data_format), images, threads)
+        patches = [x for x, _ in results]
+        grids = [g for _, g in results]
         return {"pixel_values": np.concatenate(patches, axis=0),
                 "image_grid_thw": np.asarray(grids, dtype=np.int64)}
 
@@ -568,7 +585,7 @@ class VideoProcessor:
 
     def process_one(self, video: Any, metadata: Any = None, *, config: _PixelConfig | None = None,
                     video_config: _VideoConfig | None = None, fps=None, num_frames=None,
-                    input_data_format: str | None = None):
+                    input_data_format: str | None = None, num_threads: int = 1):
         """One video -> (patches [t*h*w, D], (t, h, w), timestamps, metadata)."""
         config = config or self.config
         vc = video_config or self.video
@@ -588,7 +605,7 @@ class VideoProcessor:
             h, w = smart_resize_video(n, height, width, config.temporal_patch_size, config.factor,
                                       config.min_pixels, max_pixels)
             # HF resizes even at equal size (PIL then returns the frame unchanged).
-            frames = np.stack([_resize(f, h, w, config.resample) for f in frames])
+            frames = np.stack(_map(lambda f: _resize(f, h, w, config.resample), list(frames), num_threads))
         else:
             if height % config.factor or width % config.factor:
                 raise ValueError(f"with do_resize=False the frame size ({height}, {width}) must be a multiple "
@@ -604,7 +621,8 @@ class VideoProcessor:
         return patches, grid, timestamps, meta
 
     def __call__(self, videos: Any, video_metadata: Any = None, input_data_format: str | None = None,
-                 fps: float | None = None, num_frames: int | None = None, **kwargs) -> dict[str, Any]:
+                 fps: float | None = None, num_frames: int | None = None, num_threads: int | None = None,
+                 **kwargs) -> dict[str, Any]:
         config = _size_overrides(self.config, kwargs)
         vc = replace(self.video, **{f.name: kwargs[f.name] for f in fields(_VideoConfig)
                                     if kwargs.get(f.name) is not None and f.name not in ("fps", "num_frames")})
@@ -620,7 +638,8 @@ class VideoProcessor:
         patches, grids, stamps, out_meta = [], [], [], []
         for video, meta in zip(videos, metas):
             x, grid, ts, m = self.process_one(video, meta, config=config, video_config=vc, fps=fps,
-                                              num_frames=num_frames, input_data_format=input_data_format)
+                                              num_frames=num_frames, input_data_format=input_data_format,
+                                              num_threads=_default_threads() if num_threads is None else num_threads)
             patches.append(x)
             grids.append(grid)
             stamps.append(ts)
@@ -926,7 +945,7 @@ class Qwen3VLProcessor:
                       "cap_pixels_per_frame", "max_video_tokens"}
         pixel_keys = {"size", "min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size",
                       "rescale_factor", "resample", "do_resize", "do_rescale", "do_normalize",
-                      "do_convert_rgb", "image_mean", "image_std", "input_data_format"}
+                      "do_convert_rgb", "image_mean", "image_std", "input_data_format", "num_threads"}
         unknown = set(kwargs) - video_keys - pixel_keys
         if unknown:
             raise TypeError(f"unexpected keyword argument(s): {sorted(unknown)}")
