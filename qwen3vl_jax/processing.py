@@ -459,7 +459,11 @@ class ImageProcessor:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ImageProcessor":
-        return cls(_pixel_config_from_dict(d, _PixelConfig()))
+        # Defaults for absent keys are those of HF's Qwen2VLImageProcessor class.
+        defaults = _PixelConfig(patch_size=14, min_pixels=56 * 56, max_pixels=28 * 28 * 1280,
+                                image_mean=(0.48145466, 0.4578275, 0.40821073),
+                                image_std=(0.26862954, 0.26130258, 0.27577711))
+        return cls(_pixel_config_from_dict(d, defaults))
 
     @property
     def merge_size(self) -> int:
@@ -526,9 +530,9 @@ class VideoProcessor:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "VideoProcessor":
-        defaults = _PixelConfig(min_pixels=128 * 32 * 32, max_pixels=32 * 32 * 768,
-                                image_mean=(0.48145466, 0.4578275, 0.40821073),
-                                image_std=(0.26862954, 0.26130258, 0.27577711))
+        # Defaults for absent keys are those of HF's Qwen3VLVideoProcessor class.
+        defaults = _PixelConfig(patch_size=16, min_pixels=128 * 32 * 32, max_pixels=32 * 32 * 768,
+                                image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5))
         video = _VideoConfig()
         video = replace(video, **{f.name: d[f.name] for f in fields(_VideoConfig)
                                   if f.name in d and d[f.name] is not None})

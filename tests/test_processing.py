@@ -269,6 +269,34 @@ def test_min_max_pixel_overrides(hf, hf_pil, ours, tmp_path):
                                   o(images=[image])["image_grid_thw"])
 
 
+def test_config_defaults_match_hf(tmp_path):
+    """Keys missing from the preprocessor configs take HF's class defaults (patch 14 and CLIP
+    mean/std for the image processor; patch 16, mean/std 0.5 for the video processor)."""
+    import json
+
+    from transformers import AutoProcessor
+
+    path = make_tiny_checkpoint(tmp_path / "bare")
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
+        with open(os.path.join(path, name)) as f:
+            config = json.load(f)
+        for key in ("size", "patch_size", "image_mean", "image_std", "fps", "min_frames", "max_frames"):
+            config.pop(key, None)
+        with open(os.path.join(path, name), "w") as f:
+            json.dump(config, f)
+    hf_bare, ours_bare = AutoProcessor.from_pretrained(path), Qwen3VLProcessor.from_pretrained(path)
+    image, video = rand_image(150, 260, seed=8), rand_video(9, 70, 90, seed=8)
+    meta = [{"fps": 5.0, "total_num_frames": 9}]
+    a = hf_bare(text=f"{IMG}{VID}", images=[image], videos=[video], video_metadata=meta, return_tensors="np")
+    b = ours_bare(text=f"{IMG}{VID}", images=[image], videos=[video], video_metadata=meta, return_tensors="np")
+    assert_same_text(a, b)
+    for key in ("image_grid_thw", "video_grid_thw"):
+        np.testing.assert_array_equal(a[key], b[key])
+    assert b["pixel_values"].shape[-1] == 3 * 2 * 14 * 14
+    assert_resampling_noise(a["pixel_values"], b["pixel_values"], "default-config image")
+    assert_resampling_noise(a["pixel_values_videos"], b["pixel_values_videos"], "default-config video")
+
+
 # ----------------------------------------------------------------------------------------------
 # videos
 
@@ -320,6 +348,14 @@ def test_video_sampling_options(hf, ours):
         assert_same_text(a, b)
         np.testing.assert_array_equal(a["video_grid_thw"], b["video_grid_thw"])
         assert b["video_timestamps"] == hf_timestamps(hf, a), kw
+    # pre-sampled frames with their source indices and fps (no sampling): timestamps from the indices
+    meta_pre = [{"fps": 25.0, "total_num_frames": 500, "frames_indices": [0, 50, 100, 150, 200, 250, 300]}]
+    clip = video[:7]
+    a = hf(text=text, videos=[clip], video_metadata=meta_pre, do_sample_frames=False, return_tensors="np",
+           return_metadata=True)
+    b = ours(text=text, videos=[clip], video_metadata=meta_pre, do_sample_frames=False, return_tensors="np")
+    assert_same_text(a, b)
+    assert b["video_timestamps"] == hf_timestamps(hf, a) == [[1.0, 5.0, 9.0, 12.0]]
     # two videos (and an image) in one prompt
     frames = rand_video(6, 36, 52, seed=2)
     image = rand_image(50, 50)
@@ -335,6 +371,15 @@ def test_video_sampling_options(hf, ours):
     assert_same_text(a, b)
     np.testing.assert_array_equal(a["video_grid_thw"], b["video_grid_thw"])
     assert_resampling_noise(a["pixel_values_videos"], b["pixel_values_videos"], "two videos")
+
+
+def test_return_tensors_jax_and_lists(ours):
+    jnp = pytest.importorskip("jax.numpy")
+    out = ours(text=f"{IMG} x", images=[rand_image(40, 40)], return_tensors="jax")
+    assert isinstance(out["input_ids"], jnp.ndarray) and isinstance(out["pixel_values"], jnp.ndarray)
+    assert out["input_ids"].shape == out["mm_token_type_ids"].shape
+    out = ours(text=f"{IMG} x", images=[rand_image(40, 40)])
+    assert isinstance(out["input_ids"], list) and isinstance(out["pixel_values"], np.ndarray)
 
 
 def test_sampling_and_timestamp_helpers():
