@@ -1,5 +1,10 @@
 """Command line: `qwen3vl-jax {demo, convert}`.
 
+`qwen3vl-jax convert HF_DIR OUT_DIR [--dtype bfloat16]` reads an HF checkpoint (one safetensors
+shard at a time, strictly checked) and writes an Orbax checkpoint plus the tokenizer / processor
+files, which `Qwen3VL.from_pretrained(OUT_DIR)` and the processor read. `--to hf` exports
+safetensors instead (e.g. after editing weights).
+
 `qwen3vl-jax demo` with no arguments synthesizes the built-in tiny checkpoint into a cache
 directory (`$QWEN3VL_JAX_CACHE`, default `~/.cache/qwen3vl-jax`), preprocesses a generated image
 and a generated video, runs the vision tower and the whole model, and prints shapes, the most
@@ -113,6 +118,31 @@ def run_demo(args) -> None:
         print(f"  {name:<42}{seconds * 1000:>10.1f} ms")
 
 
+def run_convert(args) -> None:
+    import resource
+
+    import jax.numpy as jnp
+
+    from .convert import copy_side_files
+    from .model import Qwen3VL, count_params
+
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    start = time.perf_counter()
+    model = Qwen3VL.from_pretrained(args.source, dtype=dtype, progress=True)
+    os.makedirs(args.out, exist_ok=True)
+    if args.to == "orbax":
+        model.save_orbax(args.out)
+    else:
+        model.save_hf(args.out, dtype=args.dtype, max_shard_bytes=args.max_shard_bytes)
+    # An HF export writes its own config.json; an Orbax directory keeps the source's beside the weights.
+    copied = copy_side_files(args.source, args.out, skip=("config.json",) if args.to == "hf" else ())
+    n = count_params(model)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB on Linux
+    print(f"wrote {args.to} checkpoint to {args.out}: {n:,} parameters in {args.dtype} "
+          f"({n * jnp.dtype(dtype).itemsize / 2**30:.2f} GiB), {len(copied)} side files, "
+          f"{time.perf_counter() - start:.1f} s, peak host memory {peak:.2f} GiB")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="qwen3vl-jax", description="Qwen3-VL in JAX, Flax NNX and Pallas")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -121,9 +151,17 @@ def main(argv=None) -> int:
     demo.add_argument("--image", help="an image file (default: a generated image)")
     demo.add_argument("--prompt", default="Describe what you see.")
     demo.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    convert = sub.add_parser("convert", help="HF safetensors -> Orbax (or back to HF with --to hf)")
+    convert.add_argument("source", help="an HF checkpoint directory, or one written by convert")
+    convert.add_argument("out", help="output directory")
+    convert.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    convert.add_argument("--to", choices=("orbax", "hf"), default="orbax")
+    convert.add_argument("--max-shard-bytes", type=int, default=None, help="shard size for --to hf")
     args = parser.parse_args(argv)
     if args.command == "demo":
         run_demo(args)
+    elif args.command == "convert":
+        run_convert(args)
     return 0
 
 

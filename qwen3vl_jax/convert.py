@@ -221,3 +221,114 @@ def export_hf_tensors(params: Mapping[str, np.ndarray], config: Qwen3VLConfig) -
         name, transform = ours_to_hf_name(path)
         tensors[name] = np.ascontiguousarray(transform.to_hf(np.asarray(value), config))
     return tensors
+
+
+# ---------------------------------------------------------------------- Orbax and HF directories
+
+ORBAX_SUBDIR = "orbax"
+# Files of an HF checkpoint directory that are not weights: carried along so a converted directory
+# is self-contained (the processor reads them).
+_SIDE_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
+    "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json",
+)
+
+
+def is_orbax_dir(directory: str | os.PathLike) -> bool:
+    return os.path.isdir(os.path.join(os.fspath(directory), ORBAX_SUBDIR))
+
+
+def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike, skip: tuple[str, ...] = ()) -> list[str]:
+    """Copy the config / tokenizer / processor / generation files of a checkpoint (not the weights)."""
+    import shutil
+
+    copied = []
+    for name in _SIDE_FILES:
+        if name in skip:
+            continue
+        path = os.path.join(os.fspath(src), name)
+        if os.path.isfile(path) and os.path.abspath(path) != os.path.abspath(os.path.join(os.fspath(dst), name)):
+            shutil.copyfile(path, os.path.join(os.fspath(dst), name))
+            copied.append(name)
+    return copied
+
+
+def save_orbax(params_tree, config: Qwen3VLConfig, directory: str | os.PathLike) -> str:
+    """Write `{directory}/orbax/0/{params, config}`: the parameter tree and the config as JSON."""
+    import orbax.checkpoint as ocp
+
+    root = os.path.abspath(os.path.join(os.fspath(directory), ORBAX_SUBDIR))
+    with ocp.CheckpointManager(root) as manager:
+        manager.save(0, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(params_tree), config=ocp.args.JsonSave(config.to_hf_dict())))
+        manager.wait_until_finished()
+    return root
+
+
+def restore_orbax(directory: str | os.PathLike, abstract_tree_for):
+    """Restore (config, params) from `save_orbax`'s layout.
+
+    `abstract_tree_for(config)` gives the restore target (a tree of `ShapeDtypeStruct`), so the
+    arrays come back with the shapes and dtypes the model expects, never guessed from the files.
+    """
+    import orbax.checkpoint as ocp
+
+    root = os.path.abspath(os.path.join(os.fspath(directory), ORBAX_SUBDIR))
+    with ocp.CheckpointManager(root) as manager:
+        step = manager.latest_step()
+        if step is None:
+            raise CheckpointError(f"{root}: no finished Orbax checkpoint")
+        raw = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+        config = Qwen3VLConfig.from_hf_config(raw.config)
+        target = abstract_tree_for(config)
+        try:
+            restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
+        except ValueError as e:  # Orbax reports tree / shape mismatches as ValueError
+            raise CheckpointError(f"{root}: the Orbax checkpoint does not match the model: {e}") from e
+    return config, restored.params
+
+
+def write_safetensors(tensors: Mapping[str, np.ndarray], directory: str, max_shard_bytes: int | None = None) -> None:
+    """`model.safetensors`, or shards of at most `max_shard_bytes` plus `model.safetensors.index.json`."""
+    from safetensors.numpy import save_file
+
+    names = sorted(tensors)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        if max_shard_bytes and shards[-1] and size + tensors[name].nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += tensors[name].nbytes
+    if len(shards) == 1:
+        save_file(dict(tensors), os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: tensors[n] for n in shard}, os.path.join(directory, file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in shard})
+    index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))}, "weight_map": weight_map}
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+
+
+def save_hf(params: Mapping[str, np.ndarray], config: Qwen3VLConfig, directory: str | os.PathLike, *,
+            dtype: str | None = None, max_shard_bytes: int | None = None) -> str:
+    """Write an HF checkpoint directory (config.json + safetensors, sharded when asked) HF loads."""
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    tensors = export_hf_tensors(params, config)
+    if dtype is not None:
+        import ml_dtypes
+
+        np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
+        tensors = {k: v.astype(np_dtype) for k, v in tensors.items()}
+    write_safetensors(tensors, directory, max_shard_bytes)
+    hf_config = config.to_hf_dict()
+    hf_config["dtype"] = dtype or str(np.dtype(next(iter(tensors.values())).dtype))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    return directory

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from .config import Qwen3VLConfig
-from .convert import load_hf_params
+from .convert import is_orbax_dir, load_hf_params, restore_orbax, save_hf, save_orbax
 from .layers import Linear
 from .mrope import get_rope_index
 from .text import TextModel
@@ -88,14 +88,46 @@ class Qwen3VL(nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
-                        attention_implementation: str = "auto") -> "Qwen3VL":
-        """Load an HF-format checkpoint directory (config.json + safetensors)."""
+                        attention_implementation: str = "auto", progress: bool = False) -> "Qwen3VL":
+        """Load an HF checkpoint directory (config.json + safetensors) or one written by `save_orbax`.
+
+        HF weights are read one shard at a time and cast to `param_dtype` (default `dtype`); an Orbax
+        checkpoint is restored against the abstract model, so shapes and dtypes are checked.
+        """
+        kwargs = dict(dtype=dtype, param_dtype=param_dtype, attention_implementation=attention_implementation)
+        if is_orbax_dir(path):
+            def target(config):
+                abstract_state = nnx.state(cls.abstract(config, **kwargs), nnx.Param)
+                return nnx.to_pure_dict(abstract_state)
+
+            config, pure = restore_orbax(path, target)
+            graphdef, state = nnx.split(cls.abstract(config, **kwargs))
+            nnx.replace_by_pure_dict(state, pure)
+            return nnx.merge(graphdef, state)
         config = Qwen3VLConfig.from_hf_config(path)
-        model = cls.abstract(config, dtype=dtype, param_dtype=param_dtype,
-                             attention_implementation=attention_implementation)
-        graphdef, state = nnx.split(model)
-        params = load_hf_params(path, param_shapes(state), config)
+        graphdef, state = nnx.split(cls.abstract(config, **kwargs))
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(desc=f"reading {os.path.basename(os.path.abspath(path))}", unit=" tensors")
+        try:
+            params = load_hf_params(path, param_shapes(state), config,
+                                    on_tensor=None if bar is None else (lambda name: bar.update()))
+        finally:
+            if bar is not None:
+                bar.close()
         return nnx.merge(graphdef, _fill_state(state, params))
+
+    def save_orbax(self, directory: str | os.PathLike) -> str:
+        """Write the parameters and the config as an Orbax checkpoint under `directory/orbax`."""
+        return save_orbax(nnx.to_pure_dict(nnx.state(self, nnx.Param)), self.config, directory)
+
+    def save_hf(self, directory: str | os.PathLike, *, dtype: str | None = None,
+                max_shard_bytes: int | None = None) -> str:
+        """Export HF safetensors + config.json that `Qwen3VLForConditionalGeneration` loads."""
+        params = {path: np.asarray(leaf) for path, leaf in _flat_paths(nnx.state(self, nnx.Param))}
+        return save_hf(params, self.config, directory, dtype=dtype, max_shard_bytes=max_shard_bytes)
 
     # ------------------------------------------------------------------ vision
 
@@ -273,6 +305,6 @@ def _fill_state(state, params: dict[str, np.ndarray]):
     values = []
     for path, leaf in leaves:
         name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-        values.append(jnp.asarray(params[name], dtype=leaf.dtype))
+        values.append(jnp.asarray(params.pop(name), dtype=leaf.dtype))  # drop the host copy as we go
     nnx.replace_by_pure_dict(state, jax.tree_util.tree_unflatten(treedef, values))
     return state

@@ -154,33 +154,6 @@ def random_params(config: Qwen3VLConfig, seed: int = 0, dtype=np.float32) -> dic
     return params
 
 
-def _save_safetensors(tensors: dict[str, np.ndarray], directory: str, max_shard_bytes: int | None) -> None:
-    from safetensors.numpy import save_file
-
-    names = sorted(tensors)
-    if not max_shard_bytes:
-        save_file({n: tensors[n] for n in names}, os.path.join(directory, "model.safetensors"),
-                  metadata={"format": "pt"})
-        return
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name in names:
-        nbytes = tensors[name].nbytes
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: tensors[n] for n in shard}, os.path.join(directory, file), metadata={"format": "pt"})
-        weight_map.update({n: file for n in shard})
-    index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))}, "weight_map": weight_map}
-    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
-        json.dump(index, f, indent=2)
-
-
 def _write_json(directory: str, name: str, content: dict[str, Any]) -> None:
     with open(os.path.join(directory, name), "w") as f:
         json.dump(content, f, indent=2)
@@ -213,7 +186,7 @@ def make_tiny_checkpoint(
     """
     import ml_dtypes
 
-    from .convert import export_hf_tensors
+    from .convert import export_hf_tensors, write_safetensors
 
     if rope_form not in ("v5", "legacy"):
         raise ValueError(f"rope_form must be 'v5' or 'legacy', got {rope_form!r}")
@@ -233,7 +206,7 @@ def make_tiny_checkpoint(
     # -- weights
     params = random_params(config, seed=seed)
     tensors = {name: value.astype(np_dtype) for name, value in export_hf_tensors(params, config).items()}
-    _save_safetensors(tensors, directory, max_shard_bytes)
+    write_safetensors(tensors, directory, max_shard_bytes)
 
     # -- config
     hf = config.to_hf_dict()
