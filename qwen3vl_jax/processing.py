@@ -183,12 +183,21 @@ class VideoMetadata:
     frames_indices: list[int] | None = None
 
     @classmethod
-    def coerce(cls, value: Any) -> "VideoMetadata":
+    def coerce(cls, value: Any, total_num_frames: int | None = None) -> "VideoMetadata":
+        """A copy of `value` (a VideoMetadata, HF's VideoMetadata or a dict); a missing
+        total_num_frames is taken from `total_num_frames`."""
         if isinstance(value, cls):
             return replace(value)
         if isinstance(value, dict) or hasattr(value, "keys"):
             names = {f.name for f in fields(cls)}
-            return cls(**{k: value[k] for k in value.keys() if k in names})
+            kwargs = {k: value[k] for k in value.keys() if k in names}
+            if kwargs.get("total_num_frames") is None:
+                if total_num_frames is None:
+                    raise ValueError("video metadata needs total_num_frames")
+                kwargs["total_num_frames"] = total_num_frames
+            if kwargs.get("frames_indices") is not None:
+                kwargs["frames_indices"] = [int(i) for i in kwargs["frames_indices"]]
+            return cls(**kwargs)
         raise TypeError(f"video metadata must be a dict or VideoMetadata, got {type(value).__name__}")
 
 
@@ -556,9 +565,10 @@ class VideoProcessor:
         """-> uint8 (T, H, W, 3) sampled frames and their metadata (frames_indices set)."""
         if isinstance(video, (str, os.PathLike)):
             frames, meta = load_video(video, sampler if do_sample else None)
-            if metadata is not None:  # caller-given fields (e.g. a known fps) win, as in HF's update
-                meta = replace(meta, **{k: v for k, v in vars(VideoMetadata.coerce(metadata)).items()
-                                        if v is not None and k != "frames_indices"})
+            if metadata is not None:  # a caller-given fps (e.g. a known frame rate) wins
+                given = VideoMetadata.coerce(metadata, meta.total_num_frames)
+                if given.fps is not None:
+                    meta.fps = given.fps
             return frames, meta
         if isinstance(video, (list, tuple)):
             if not video:
@@ -574,9 +584,12 @@ class VideoProcessor:
             meta = VideoMetadata(total_num_frames=total, fps=None, frames_indices=list(range(total)),
                                  height=frames.shape[1], width=frames.shape[2])
         else:
-            meta = VideoMetadata.coerce(metadata)
+            meta = VideoMetadata.coerce(metadata, total)
             if meta.frames_indices is None:
                 meta.frames_indices = list(range(total))
+            elif not do_sample and len(meta.frames_indices) != total:
+                raise ValueError(f"video metadata gives {len(meta.frames_indices)} frames_indices for "
+                                 f"{total} frames")
         if do_sample:
             if meta.fps is None:
                 meta.fps = 24  # HF's default when sampling by fps without a source fps
