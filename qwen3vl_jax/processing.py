@@ -423,12 +423,13 @@ def _resize(frame: np.ndarray, height: int, width: int, resample: int) -> np.nda
     return np.asarray(Image.fromarray(frame).resize((width, height), resample=_RESAMPLE[int(resample)]))
 
 
-def _patchify(frames: np.ndarray, config: _PixelConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
+def _patchify(frames: np.ndarray, config: _PixelConfig, out: np.ndarray | None = None):
     """uint8 (T, H, W, 3) -> float32 [t*h*w, C*T*p*p] patches (HF's order) and (t, h, w).
 
     T is a multiple of the temporal patch size, or 1 for an image (its frame then fills the whole
     temporal patch, as HF repeats it). The lookup table is applied on the channel-major uint8
-    frames (contiguous, before any temporal repetition) and one strided copy writes the output.
+    frames (contiguous, before any temporal repetition) and one strided copy writes the output,
+    into `out` [t, h/m, w/m, m, m, C, T, p, p] when given.
     """
     tp, p, m = config.temporal_patch_size, config.patch_size, config.merge_size
     n, height, width, c = frames.shape
@@ -441,7 +442,8 @@ def _patchify(frames: np.ndarray, config: _PixelConfig) -> tuple[np.ndarray, tup
         np.take(lut[ch], planes[ch], out=values[ch])
     # (C, gt, T, bh, mh, ph, bw, mw, pw) -> (gt, bh, bw, mh, mw, C, T, ph, pw)
     src = values.reshape(c, gt, src_t, gh // m, m, p, gw // m, m, p).transpose(1, 3, 6, 4, 7, 0, 2, 5, 8)
-    out = np.empty((gt, gh // m, gw // m, m, m, c, tp, p, p), dtype=np.float32)
+    if out is None:
+        out = np.empty((gt, gh // m, gw // m, m, m, c, tp, p, p), dtype=np.float32)
     out[...] = src  # broadcasts an image's single frame over the temporal patch
     return out.reshape(gt * gh * gw, c * tp * p * p), (gt, gh, gw)
 
@@ -613,6 +615,7 @@ class VideoProcessor:
         frames, meta = self._decode(video, metadata, vc.do_sample_frames, self._sampler(vc, fps, num_frames),
                                     input_data_format)
         n, height, width = frames.shape[:3]
+        h, w = height, width
         if config.do_resize:
             max_pixels = config.max_pixels
             if vc.cap_pixels_per_frame:  # HF's optional per-frame cap (qwen-vl-utils behaviour)
@@ -621,17 +624,29 @@ class VideoProcessor:
                 max_pixels = per_frame * n
             h, w = smart_resize_video(n, height, width, config.temporal_patch_size, config.factor,
                                       config.min_pixels, max_pixels)
-            # HF resizes even at equal size (PIL then returns the frame unchanged).
-            frames = np.stack(_map(lambda f: _resize(f, h, w, config.resample), list(frames), num_threads))
         else:
             if height % config.factor or width % config.factor:
                 raise ValueError(f"with do_resize=False the frame size ({height}, {width}) must be a multiple "
                                  f"of patch_size * merge_size = {config.factor}")
             if n < config.temporal_patch_size:
                 raise ValueError(f"video is too short: {n} frame(s), need at least {config.temporal_patch_size}")
-        if pad := -n % config.temporal_patch_size:  # repeat the last frame, as HF does
-            frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
-        patches, grid = _patchify(frames, config)
+        tp, p, m = config.temporal_patch_size, config.patch_size, config.merge_size
+        order = list(range(n)) + [n - 1] * (-n % tp)  # the last frame repeats to fill a patch, as in HF
+        gt = len(order) // tp
+        out = np.empty((gt, h // p // m, w // p // m, m, m, frames.shape[-1], tp, p, p), dtype=np.float32)
+
+        def work(span):  # resize and patchify temporal patches [g0, g1) into their rows of `out`
+            g0, g1 = span
+            chunk = [frames[i] for i in order[g0 * tp:g1 * tp]]
+            if config.do_resize:  # HF resizes even at equal size (PIL then returns the frame as is)
+                chunk = [_resize(f, h, w, config.resample) for f in chunk]
+            _patchify(np.stack(chunk), config, out=out[g0:g1])
+
+        pieces = max(1, min(gt, 2 * num_threads))
+        bounds = np.linspace(0, gt, pieces + 1).round().astype(int)
+        _map(work, [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a], num_threads)
+        patches = out.reshape(gt * (h // p) * (w // p), frames.shape[-1] * tp * p * p)
+        grid = (gt, h // p, w // p)
         fps_for_time = 24 if meta.fps is None else meta.fps
         meta.fps = fps_for_time
         timestamps = frame_timestamps(meta.frames_indices, fps_for_time, config.temporal_patch_size)
