@@ -258,6 +258,12 @@ class Qwen3VL(nnx.Module):
             return self.language_model.embed_tokens.attend(hidden)
         return self.lm_head(hidden)
 
+    def generate(self, *args, **kwargs):
+        """Token ids `[B, L + new]` like HF's `generate`; see `qwen3vl_jax.generate.generate`."""
+        from .generate import generate
+
+        return generate(self, *args, **kwargs)
+
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "implementation", "return_hidden_states"))
 def _run_vision(graphdef, state, pixel_values, meta, *, implementation, return_hidden_states) -> VisionOutput:
