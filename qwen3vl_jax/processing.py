@@ -374,6 +374,7 @@ class _PixelConfig:
 
 
 _LUT_CACHE: dict[tuple, np.ndarray] = {}
+_AFFINE_CACHE: dict[tuple, list | None] = {}
 
 
 def _lookup_table(do_rescale, rescale_factor, do_normalize, mean, std) -> np.ndarray:
@@ -389,6 +390,29 @@ def _lookup_table(do_rescale, rescale_factor, do_normalize, mean, std) -> np.nda
             values = (values - m) / s
         _LUT_CACHE[key] = np.ascontiguousarray(values, dtype=np.float32)
     return _LUT_CACHE[key]
+
+
+def _affine_path(config: "_PixelConfig") -> list[tuple[np.float32, np.float32, np.float32]] | None:
+    """Per channel (divisor, mean, std) such that float32 ((v / divisor) - mean) / std equals the
+    lookup table for all 256 levels, or None if that arithmetic is not exact for this config.
+
+    Three vectorized float32 passes are about twice as fast as a table gather, so they are used
+    whenever they are verified to give the identical bits (they do for Qwen's 1/255, 0.5, 0.5).
+    """
+    key = (config.do_rescale, float(config.rescale_factor), config.do_normalize, config.image_mean,
+           config.image_std)
+    if key not in _AFFINE_CACHE:
+        lut = config.lookup_table()
+        levels = np.arange(256, dtype=np.float32)
+        divisor = np.float32(1 / config.rescale_factor) if config.do_rescale else np.float32(1)
+        means = np.broadcast_to(np.asarray(config.image_mean, np.float32), (3,))
+        stds = np.broadcast_to(np.asarray(config.image_std, np.float32), (3,))
+        if not config.do_normalize:
+            means, stds = np.zeros(3, np.float32), np.ones(3, np.float32)
+        params = [(divisor, means[c], stds[c]) for c in range(3)]
+        exact = all(np.array_equal(((levels / d) - m) / sd, lut[c]) for c, (d, m, sd) in enumerate(params))
+        _AFFINE_CACHE[key] = params if exact else None
+    return _AFFINE_CACHE[key]
 
 
 def _size_overrides(base: _PixelConfig, kwargs: dict[str, Any]) -> _PixelConfig:
@@ -436,10 +460,16 @@ def _patchify(frames: np.ndarray, config: _PixelConfig, out: np.ndarray | None =
     gt, gh, gw = max(n // tp, 1), height // p, width // p
     src_t = tp if n > 1 else 1
     planes = np.ascontiguousarray(frames.transpose(3, 0, 1, 2))  # (C, T, H, W)
-    lut = config.lookup_table()
     values = np.empty(planes.shape, dtype=np.float32)
+    affine = _affine_path(config)
     for ch in range(c):
-        np.take(lut[ch], planes[ch], out=values[ch])
+        if affine is not None:
+            divisor, mean, std = affine[ch]
+            np.divide(planes[ch], divisor, out=values[ch], dtype=np.float32)
+            np.subtract(values[ch], mean, out=values[ch])
+            np.divide(values[ch], std, out=values[ch])
+        else:
+            np.take(config.lookup_table()[ch], planes[ch], out=values[ch])
     # (C, gt, T, bh, mh, ph, bw, mw, pw) -> (gt, bh, bw, mh, mw, C, T, ph, pw)
     src = values.reshape(c, gt, src_t, gh // m, m, p, gw // m, m, p).transpose(1, 3, 6, 4, 7, 0, 2, 5, 8)
     if out is None:
@@ -490,17 +520,14 @@ class ImageProcessor:
         h, w = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
         return (h // config.patch_size) * (w // config.patch_size) // config.merge_size ** 2
 
-    def process_one(self, image: Any, config: _PixelConfig, input_data_format: str | None = None):
-        rgb = load_image(image, input_data_format)
+    def _target(self, rgb: np.ndarray, config: _PixelConfig) -> tuple[int, int]:
         height, width = rgb.shape[:2]
         if config.do_resize:
-            h, w = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
-            rgb = _resize(rgb, h, w, config.resample)
-        elif height % config.factor or width % config.factor:
+            return smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
+        if height % config.factor or width % config.factor:
             raise ValueError(f"with do_resize=False the image size ({height}, {width}) must be a multiple of "
                              f"patch_size * merge_size = {config.factor}")
-        # An image is one temporal patch: the frame repeated temporal_patch_size times.
-        return _patchify(rgb[None], config)
+        return height, width
 
     def __call__(self, images: Any, input_data_format: str | None = None, num_threads: int | None = None,
                  **kwargs) -> dict[str, np.ndarray]:
@@ -509,11 +536,24 @@ class ImageProcessor:
         if not images:
             raise ValueError("no images given")
         threads = _default_threads() if num_threads is None else num_threads
-        results = _map(lambda image: self.process_one(image, config, input_data_format), images, threads)
-        patches = [x for x, _ in results]
-        grids = [g for _, g in results]
-        return {"pixel_values": np.concatenate(patches, axis=0),
-                "image_grid_thw": np.asarray(grids, dtype=np.int64)}
+        rgbs = _map(lambda image: load_image(image, input_data_format), images, threads)
+        targets = [self._target(rgb, config) for rgb in rgbs]  # all size checks before any work
+        p, m, tp = config.patch_size, config.merge_size, config.temporal_patch_size
+        rows = [(h // p) * (w // p) for h, w in targets]
+        offsets = np.concatenate([[0], np.cumsum(rows)]).astype(int)
+        out = np.empty((offsets[-1], 3 * tp * p * p), dtype=np.float32)  # written in place, no concatenate
+
+        def work(i):
+            (h, w), rgb = targets[i], rgbs[i]
+            if config.do_resize:  # HF resizes even at equal size (PIL then returns a copy)
+                rgb = _resize(rgb, h, w, config.resample)
+            rows_out = out[offsets[i]:offsets[i + 1]].reshape(1, h // p // m, w // p // m, m, m, 3, tp, p, p)
+            # An image is one temporal patch: its frame repeated temporal_patch_size times.
+            _patchify(rgb[None], config, out=rows_out)
+
+        _map(work, list(range(len(images))), threads)
+        grids = [(1, h // p, w // p) for h, w in targets]
+        return {"pixel_values": out, "image_grid_thw": np.asarray(grids, dtype=np.int64)}
 
 
 @dataclass(frozen=True)

@@ -293,6 +293,10 @@ def test_config_defaults_match_hf(tmp_path):
     for key in ("image_grid_thw", "video_grid_thw"):
         np.testing.assert_array_equal(a[key], b[key])
     assert b["pixel_values"].shape[-1] == 3 * 2 * 14 * 14
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    np.testing.assert_array_equal(Qwen2VLImageProcessorPil.from_pretrained(path)(images=[image], return_tensors="np")
+                                  ["pixel_values"], b["pixel_values"])  # CLIP mean/std: still bit-identical
     assert_resampling_noise(a["pixel_values"], b["pixel_values"], "default-config image")
     assert_resampling_noise(a["pixel_values_videos"], b["pixel_values_videos"], "default-config video")
 
@@ -380,6 +384,23 @@ def test_return_tensors_jax_and_lists(ours):
     assert out["input_ids"].shape == out["mm_token_type_ids"].shape
     out = ours(text=f"{IMG} x", images=[rand_image(40, 40)])
     assert isinstance(out["input_ids"], list) and isinstance(out["pixel_values"], np.ndarray)
+
+
+def test_normalize_fast_path_is_the_lookup_table(ours, monkeypatch):
+    """The float32 arithmetic path gives the same bits as the per-level table (HF's op order)."""
+    from qwen3vl_jax import processing
+
+    images = [rand_image(70, 90, seed=1)]
+    video = rand_video(5, 40, 60, seed=1)
+    fast_i = ours.image_processor(images)["pixel_values"]
+    fast_v = ours.video_processor([video])["pixel_values_videos"]
+    assert processing._affine_path(ours.image_processor.config) is not None
+    monkeypatch.setattr(processing, "_affine_path", lambda config: None)
+    np.testing.assert_array_equal(fast_i, ours.image_processor(images)["pixel_values"])
+    np.testing.assert_array_equal(fast_v, ours.video_processor([video])["pixel_values_videos"])
+    # threads do not change anything either
+    np.testing.assert_array_equal(fast_i, ours.image_processor(images * 3, num_threads=3)["pixel_values"][:len(fast_i)])
+    np.testing.assert_array_equal(fast_v, ours.video_processor([video], num_threads=1)["pixel_values_videos"])
 
 
 def test_sampling_and_timestamp_helpers():
