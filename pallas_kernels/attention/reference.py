@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-__all__ = ["varlen_attention", "masked_attention", "segment_block_ranges"]
+__all__ = ["varlen_attention", "masked_attention", "causal_attention", "decode_attention", "segment_block_ranges"]
 
 # Finite stand-in for -inf: masked scores underflow to exactly 0 after exp without inf - inf = nan.
 _MASKED = -1e30
@@ -121,3 +121,38 @@ def masked_attention(q, k, v, mask):
     p = p / jnp.maximum(p.sum(axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
     out = jnp.einsum("bgrls,bsgd->blgrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, length, heads, dim).astype(q.dtype)
+
+
+def causal_attention(q, k, v, lengths, starts=None):
+    """Causal grouped-query self-attention over a padded batch.
+
+    Args:
+      q: `[B, S, Hq, D]`; k, v: `[B, S, Hkv, D]` (query head h reads kv head h // (Hq / Hkv)).
+      lengths: `[B]` valid tokens per row; starts: `[B]` first valid position (default 0, right
+        padding; left padding is `starts = S - lengths`). Valid tokens are `[start, start + length)`.
+    Returns:
+      `[B, S, Hq, D]` in q's dtype. A valid query at p sees keys `start <= s <= p`; rows outside
+      the valid range are zero.
+    """
+    size = q.shape[1]
+    starts = jnp.zeros_like(lengths) if starts is None else starts
+    pos = jnp.arange(size)
+    valid = (pos[None] >= starts[:, None]) & (pos[None] < (starts + lengths)[:, None])  # [B, S]
+    mask = valid[:, :, None] & valid[:, None, :] & (pos[None, :, None] >= pos[None, None, :])
+    return masked_attention(q, k, v, mask)
+
+
+def decode_attention(q, k_cache, v_cache, lengths, starts=None):
+    """One query token per row against a KV cache.
+
+    Args:
+      q: `[B, Hq, D]`; k_cache, v_cache: `[B, S_max, Hkv, D]`.
+      lengths: `[B]` valid cache entries; starts: `[B]` first valid slot (default 0). Keys
+        `[start, start + length)` are attended.
+    Returns:
+      `[B, Hq, D]` in q's dtype (zero for an empty range).
+    """
+    pos = jnp.arange(k_cache.shape[1])
+    starts = jnp.zeros_like(lengths) if starts is None else starts
+    mask = (pos[None] >= starts[:, None]) & (pos[None] < (starts + lengths)[:, None])
+    return masked_attention(q[:, None], k_cache, v_cache, mask[:, None])[:, 0]

@@ -1,23 +1,36 @@
 """The position-embedding interpolation op as the model calls it.
 
-`implementation="xla"` runs the pure-jnp spec. The Pallas kernel is a later addition; until it
-exists, asking for it is an error rather than a silent fallback.
+`implementation`: `"xla"` (the jnp spec), `"pallas"` (the Triton kernel; interpreted on a
+non-GPU backend) or `"auto"` (Pallas on a GPU backend, XLA elsewhere).
 """
 
 from __future__ import annotations
 
-from . import reference
+import jax.numpy as jnp
 
-__all__ = ["interpolate_pos_embed", "IMPLEMENTATIONS"]
+from .._dispatch import IMPLEMENTATIONS, resolve
+from . import kernel, reference
 
-IMPLEMENTATIONS = ("xla", "auto")
+__all__ = ["interpolate_pos_embed", "interpolate_pos_embed_grid", "IMPLEMENTATIONS"]
 
 
 def interpolate_pos_embed(table, indices, weights, *, implementation: str = "auto"):
     """`[P, D]` float32 bilinear position embeddings from the `[side*side, D]` table.
 
-    `indices` / `weights` (`[P, 4]`) come from `reference.interpolation_taps` on the host.
+    `indices` / `weights` (`[P, 4]`) come from `reference.interpolation_taps` on the host (the
+    model jits on shapes only, so the data-dependent taps are computed outside the jit).
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown implementation {implementation!r}; choose from {IMPLEMENTATIONS}")
+    use_pallas, interpret = resolve(implementation)
+    if use_pallas:
+        return kernel.interpolate_pos_embed(table, indices, weights, interpret=interpret)
     return reference.interpolate_pos_embed(table, indices, weights)
+
+
+def interpolate_pos_embed_grid(table, grid_thw, merge_size: int, *, implementation: str = "auto"):
+    """Convenience form: `[sum(t*h*w), D]` float32 for a host `grid_thw` (`[N, 3]`), in
+    spatial-merge order and repeated over t. Same kernel / spec as `interpolate_pos_embed`."""
+    side = int(round(table.shape[0] ** 0.5))
+    if side * side != table.shape[0]:
+        raise ValueError(f"position table has {table.shape[0]} rows, not a square grid")
+    indices, weights = reference.interpolation_taps(grid_thw, side, merge_size)
+    return interpolate_pos_embed(table, jnp.asarray(indices), jnp.asarray(weights), implementation=implementation)
