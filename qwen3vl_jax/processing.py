@@ -308,6 +308,7 @@ def load_video(path: str | os.PathLike, sample_fn=None) -> tuple[np.ndarray, Vid
         if not container.streams.video:
             raise ValueError(f"could not read video file {path}: it has no video stream")
         stream = container.streams.video[0]
+        stream.thread_type = "AUTO"  # frame/slice threads in the decoder; the decoded frames are the same
         total = int(stream.frames)
         rate = stream.average_rate
         if total <= 0:  # container without a frame count: count by decoding

@@ -8,7 +8,10 @@ pixel budgets (images 256^2 .. 4096^2 pixels, videos 64^2 .. 24 * 1024^2 pixels)
 processed are those of the real model. Prints images/s and (sampled) video frames/s for ours, HF's
 `AutoProcessor` (torchvision-backed image and video processors) and HF's PIL image processor, and
 the ratios. Each timing is a full processor call (prompt expansion and tokenization included), the
-best of --repeats after one warm-up. Writes nothing else.
+best of --repeats after one warm-up. The video-file row decodes an mp4 written (with PyAV, into a
+temporary directory) from the same frames: ours takes the path; HF, whose default decoder
+(torchcodec) may be absent, decodes with its own PyAV reader (`load_video(backend="pyav")`) and then
+processes the frames, both inside the timing. Writes nothing else.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ def main(argv=None) -> None:
     parser.add_argument("--video-fps", type=float, default=2.0, help="source fps (2: every frame sampled)")
     parser.add_argument("--video-size", type=parse_hw, default=(360, 640))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads for ours (default min(8, cores)) and torch.set_num_threads for HF")
     args = parser.parse_args(argv)
 
     warnings.filterwarnings("ignore")
@@ -93,8 +98,13 @@ def main(argv=None) -> None:
 
     import torch
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+        ours_call = ours.__call__
+        ours = lambda *a, **k: ours_call(*a, num_threads=args.threads, **k)  # noqa: E731
     print(f"checkpoint: {path}")
-    print(f"cpu cores: {os.cpu_count()}, torch threads: {torch.get_num_threads()}")
+    print(f"cpu cores: {os.cpu_count()}, load average: {os.getloadavg()[0]:.2f}, torch threads: "
+          f"{torch.get_num_threads()}, our threads: {args.threads or 'min(8, cores)'}")
     print(f"images: {len(images)} x {h}x{w} -> grid {igrid} each; video: {args.video_frames} frames {vh}x{vw} "
           f"@ {args.video_fps} fps -> {sampled} sampled, grid {grid}")
 
@@ -108,6 +118,32 @@ def main(argv=None) -> None:
     v_hf = best_time(lambda: hf(text=vtext, videos=[video], video_metadata=meta, return_tensors="np"),
                      args.repeats)
     rows.append(("video frames/s", sampled / v_ours, sampled / v_hf, None))
+
+    from fractions import Fraction
+
+    import av
+    from transformers.video_utils import load_video as hf_load_video
+
+    work = tempfile.TemporaryDirectory()
+    clip = os.path.join(work.name, "clip.mp4")
+    with av.open(clip, "w") as container:
+        stream = container.add_stream("mpeg4", rate=Fraction(args.video_fps).limit_denominator(1001))
+        stream.width, stream.height, stream.pix_fmt = vw, vh, "yuv420p"
+        for frame in video:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+    def hf_file():
+        frames, m = hf_load_video(clip, backend="pyav")
+        return hf(text=vtext, videos=[frames], video_metadata=[{"fps": m.fps, "total_num_frames": m.total_num_frames}],
+                  return_tensors="np")
+
+    f_ours = best_time(lambda: ours(text=vtext, videos=[clip], return_tensors="np"), args.repeats)
+    f_hf = best_time(hf_file, args.repeats)
+    rows.append(("video file fr/s", sampled / f_ours, sampled / f_hf, None))
+    work.cleanup()
 
     print(f"{'':16s} {'ours':>10s} {'HF (torchvision)':>17s} {'HF PIL images':>14s} {'ours/HF':>8s} "
           f"{'ours/HF PIL':>11s}")
