@@ -146,12 +146,8 @@ def select_tokens(logits: jnp.ndarray, key, temperature, top_k, top_p, *, do_sam
 # ---------------------------------------------------------------------- the decoder with a cache
 
 
-def _layer(layer, x, cos, sin, mask, implementation, cache=None, index=None):
-    """One `DecoderLayer` (same math as `text.DecoderLayer`), returning its fresh k, v as well.
-
-    Without `cache` attention runs over the fresh keys (prefill). With `cache = (k [B, S, G, D],
-    v)` the fresh keys are written at slot `index` first and attention runs over the whole cache.
-    """
+def _qkv(layer, x, cos, sin):
+    """The first half of `text.DecoderLayer` (same math): normed, rotated q `[B, L, H, D]`, k, v `[B, L, G, D]`."""
     attn = layer.self_attn
     b, length, _ = x.shape
     d = attn.config.head_dim
@@ -159,17 +155,16 @@ def _layer(layer, x, cos, sin, mask, implementation, cache=None, index=None):
     q = attn.q_norm(attn.q_proj(h).reshape(b, length, -1, d))
     k = attn.k_norm(attn.k_proj(h).reshape(b, length, -1, d))
     v = attn.v_proj(h).reshape(b, length, -1, d)
-    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    if cache is None:
-        keys, values = k, v
-    else:
-        keys = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (0, index, 0, 0))
-        values = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (0, index, 0, 0))
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
+def _attend(layer, x, q, keys, values, mask, implementation):
+    """The second half: attention over `keys`/`values` `[B, S, G, D]`, residual, MLP, residual."""
+    b, length, _ = x.shape
     out = attention_api.masked_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask,
                                          implementation=implementation)
-    x = x + attn.o_proj(out.reshape(b, length, -1))
-    x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return x, keys, values
+    x = x + layer.self_attn.o_proj(out.reshape(b, length, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -193,7 +188,8 @@ def _prefill(graphdef, state, embeds, deepstack, positions, attention_mask, key,
     x = embeds
     keys, values = [], []
     for index, layer in enumerate(lm.layers):
-        x, k, v = _layer(layer, x, cos, sin, mask, implementation)
+        q, k, v = _qkv(layer, x, cos, sin)
+        x = _attend(layer, x, q, k, v, mask, implementation)
         keys.append(k)
         values.append(v)
         if deepstack is not None and index < deepstack.shape[0]:
@@ -219,9 +215,11 @@ def _decode_step(graphdef, state, cache, tokens, positions, index, key_mask, key
     cos, sin = mrope_cos_sin(positions[:, :, None], lm.config)
     mask = (key_mask & (jnp.arange(slots) <= index)[None])[:, None, :]  # [B, 1, S]
     for i, layer in enumerate(lm.layers):
-        x, k, v = _layer(layer, x, cos, sin, mask, implementation, cache=(cache_k[i], cache_v[i]), index=index)
-        cache_k = cache_k.at[i].set(k)
-        cache_v = cache_v.at[i].set(v)
+        q, k, v = _qkv(layer, x, cos, sin)
+        # write the new slot into the stacked (donated) cache in place, then read this layer's keys
+        cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), (i, 0, index, 0, 0))
+        cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), (i, 0, index, 0, 0))
+        x = _attend(layer, x, q, cache_k[i], cache_v[i], mask, implementation)
     logits = model.logits(lm.norm(x[:, 0]))
     next_tokens = select_tokens(logits, jax.random.fold_in(key, step), temperature, top_k, top_p,
                                 do_sample=do_sample)
