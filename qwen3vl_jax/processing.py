@@ -452,30 +452,36 @@ def _patchify(frames: np.ndarray, config: _PixelConfig, out: np.ndarray | None =
     """uint8 (T, H, W, 3) -> float32 [t*h*w, C*T*p*p] patches (HF's order) and (t, h, w).
 
     T is a multiple of the temporal patch size, or 1 for an image (its frame then fills the whole
-    temporal patch, as HF repeats it). The lookup table is applied on the channel-major uint8
-    frames (contiguous, before any temporal repetition) and one strided copy writes the output,
-    into `out` [t, h/m, w/m, m, m, C, T, p, p] when given.
+    temporal patch, as HF repeats it). The uint8 pixels are rearranged into patch order first (a
+    quarter of the bytes of a float copy), then normalized straight into `out`
+    [t, h/m, w/m, m, m, C, T, p, p] (allocated when not given), broadcasting an image over T.
     """
     tp, p, m = config.temporal_patch_size, config.patch_size, config.merge_size
     n, height, width, c = frames.shape
     gt, gh, gw = max(n // tp, 1), height // p, width // p
     src_t = tp if n > 1 else 1
-    planes = np.ascontiguousarray(frames.transpose(3, 0, 1, 2))  # (C, T, H, W)
-    values = np.empty(planes.shape, dtype=np.float32)
-    affine = _affine_path(config)
-    for ch in range(c):
-        if affine is not None:
-            divisor, mean, std = affine[ch]
-            np.divide(planes[ch], divisor, out=values[ch], dtype=np.float32)
-            np.subtract(values[ch], mean, out=values[ch])
-            np.divide(values[ch], std, out=values[ch])
-        else:
-            np.take(config.lookup_table()[ch], planes[ch], out=values[ch])
-    # (C, gt, T, bh, mh, ph, bw, mw, pw) -> (gt, bh, bw, mh, mw, C, T, ph, pw)
-    src = values.reshape(c, gt, src_t, gh // m, m, p, gw // m, m, p).transpose(1, 3, 6, 4, 7, 0, 2, 5, 8)
+    # (gt, T, bh, mh, ph, bw, mw, pw, C) -> (gt, bh, bw, mh, mw, C, T, ph, pw)
+    pix = frames.reshape(gt, src_t, gh // m, m, p, gw // m, m, p, c).transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
+    pix = np.ascontiguousarray(pix)
     if out is None:
         out = np.empty((gt, gh // m, gw // m, m, m, c, tp, p, p), dtype=np.float32)
-    out[...] = src  # broadcasts an image's single frame over the temporal patch
+    # An image is normalized once, then copied into each of the T slots.
+    target = out if src_t == tp else np.empty(pix.shape, dtype=np.float32)
+    affine = _affine_path(config)
+    if affine is not None:
+        shape = (1, 1, 1, 1, 1, c, 1, 1, 1)
+        divisor = affine[0][0]
+        means = np.array([a[1] for a in affine[:c]], dtype=np.float32).reshape(shape)
+        stds = np.array([a[2] for a in affine[:c]], dtype=np.float32).reshape(shape)
+        np.divide(pix, divisor, out=target, dtype=np.float32)
+        np.subtract(target, means, out=target)
+        np.divide(target, stds, out=target)
+    else:
+        lut = config.lookup_table()
+        for ch in range(c):
+            target[:, :, :, :, :, ch] = lut[ch][pix[:, :, :, :, :, ch]]
+    if target is not out:
+        out[...] = target
     return out.reshape(gt * gh * gw, c * tp * p * p), (gt, gh, gw)
 
 
