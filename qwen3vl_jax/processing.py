@@ -1094,9 +1094,11 @@ class Qwen3VLProcessor:
             expanded = self._expand(texts, image_repl, video_repl)
             ids = self.encode(expanded)
             ids, mask = self._pad(ids, padding, padding_side)
-            image_ids = {self.image_token_id}
-            video_ids = {self.video_token_id}
-            types = [[1 if i in image_ids else 2 if i in video_ids else 0 for i in row] for row in ids]
+            types = []
+            for row in ids:
+                row = np.asarray(row, dtype=np.int64)
+                kind = np.where(row == self.image_token_id, 1, np.where(row == self.video_token_id, 2, 0))
+                types.append(kind.tolist())
             data["input_ids"], data["attention_mask"], data["mm_token_type_ids"] = ids, mask, types
 
         if return_tensors is not None:
@@ -1164,7 +1166,7 @@ class Qwen3VLProcessor:
 _CALL_KEYS = {"video_metadata", "return_tensors", "padding", "padding_side", "return_metadata",
               "video_tokens_per_frame", "images_kwargs", "videos_kwargs", "fps", "num_frames",
               "do_sample_frames", "min_frames", "max_frames", "size", "min_pixels", "max_pixels",
-              "input_data_format"}
+              "input_data_format", "num_threads", "cap_pixels_per_frame", "max_video_tokens"}
 
 
 def _drop_none(message: dict[str, Any]) -> dict[str, Any]:
