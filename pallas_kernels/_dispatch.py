@@ -8,15 +8,32 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 
-__all__ = ["IMPLEMENTATIONS", "resolve", "on_gpu"]
+__all__ = ["IMPLEMENTATIONS", "resolve", "on_gpu", "lowering_for_gpu"]
 
 IMPLEMENTATIONS = ("xla", "pallas", "auto")
 
 
+_FORCE_GPU = False
+
+
 def on_gpu() -> bool:
-    return jax.default_backend() in ("gpu", "cuda", "rocm")
+    return _FORCE_GPU or jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+@contextlib.contextmanager
+def lowering_for_gpu():
+    """Trace as if the backend were a GPU ("auto" and "pallas" emit the compiled Triton kernel,
+    not the interpreter), for `jax.export(..., platforms=["cuda"])` on a CPU-only machine."""
+    global _FORCE_GPU
+    previous, _FORCE_GPU = _FORCE_GPU, True
+    try:
+        yield
+    finally:
+        _FORCE_GPU = previous
 
 
 def resolve(implementation: str) -> tuple[bool, bool]:
