@@ -485,6 +485,43 @@ def test_chat_template(hf, ours, tmp_path):
     assert_same_text(b, c)
 
 
+def test_chat_template_jinja_features(hf, ours):
+    """A richer template (namespaces, counters, template variables, tojson, loop controls,
+    whitespace control, raise_exception) renders as HF renders it."""
+    template = (
+        "{% set counts = namespace(image=0, video=0) %}"
+        "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+        "{% for message in messages %}\n"
+        "  {% if message['role'] not in ['system', 'user', 'assistant'] %}"
+        "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}\n"
+        "<|im_start|>{{ message['role'] }}\n"
+        "  {%- if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        "{% if part['type'] == 'image' %}{% set counts.image = counts.image + 1 %}"
+        "{% if add_vision_id %}Picture {{ counts.image }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+        "{% elif part['type'] == 'video' %}{% set counts.video = counts.video + 1 %}"
+        "{% if add_vision_id %}Video {{ counts.video }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+        "{% elif part['type'] == 'text' %}{{ part['text'] | trim }}{% if loop.last %}{% break %}{% endif %}"
+        "{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{{ eos_token | length }}{% endif %}"
+    )
+    image = rand_image(40, 40)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "  one  "},
+                                     {"type": "image", "image": image}, {"type": "video", "video": "x.mp4"}]},
+    ]
+    tools = [{"type": "function", "function": {"name": "zoom", "parameters": {"x": "ünï"}}}]
+    for kwargs in ({}, {"add_vision_id": True}, {"tools": tools, "add_generation_prompt": True}):
+        assert ours.apply_chat_template(messages, chat_template=template, **kwargs) == hf.apply_chat_template(
+            messages, chat_template=template, tokenize=False, **kwargs), kwargs
+    from jinja2.exceptions import TemplateError
+
+    with pytest.raises(TemplateError, match="unknown role"):
+        ours.apply_chat_template([{"role": "robot", "content": "hi"}], chat_template=template)
+
+
 # ----------------------------------------------------------------------------------------------
 # the pruning hook
 
