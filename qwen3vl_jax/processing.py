@@ -1067,11 +1067,8 @@ class Qwen3VLProcessor:
                                  f"video(s) were passed; each video needs exactly one placeholder")
 
         data: dict[str, Any] = {}
-        image_repl, video_repl = [], []
         if image_list:
-            out = self.image_processor(image_list, **img_kw)
-            data.update(out)
-            image_repl = [self.image_placeholder(g) for g in out["image_grid_thw"]]
+            data.update(self.image_processor(image_list, **img_kw))
         if video_list:
             out = self.video_processor(video_list, video_metadata=video_metadata, **vid_kw)
             data["pixel_values_videos"] = out["pixel_values_videos"]
@@ -1079,43 +1076,69 @@ class Qwen3VLProcessor:
             data["video_timestamps"] = out["video_timestamps"]
             if return_metadata:
                 data["video_metadata"] = out["video_metadata"]
-            if video_tokens_per_frame is not None and len(video_tokens_per_frame) != len(video_list):
-                raise ValueError(f"video_tokens_per_frame has {len(video_tokens_per_frame)} entries for "
-                                 f"{len(video_list)} video(s)")
-            merge = self.video_processor.merge_size ** 2
-            for i, (grid, stamps) in enumerate(zip(out["video_grid_thw"], out["video_timestamps"])):
-                t, h, w = (int(x) for x in grid)
-                counts = None if video_tokens_per_frame is None else video_tokens_per_frame[i]
-                if counts is None:
-                    counts = [h * w // merge] * t
-                video_repl.append(self.video_placeholder(stamps, counts))
-
         if texts is not None:
-            expanded = self._expand(texts, image_repl, video_repl)
-            ids = self.encode(expanded)
-            ids, mask = self._pad(ids, padding, padding_side)
-            types = []
-            for row in ids:
-                row = np.asarray(row, dtype=np.int64)
-                kind = np.where(row == self.image_token_id, 1, np.where(row == self.video_token_id, 2, 0))
-                types.append(kind.tolist())
-            data["input_ids"], data["attention_mask"], data["mm_token_type_ids"] = ids, mask, types
+            data.update(self.expand_and_tokenize(
+                texts, image_grid_thw=data.get("image_grid_thw"), video_grid_thw=data.get("video_grid_thw"),
+                video_timestamps=data.get("video_timestamps"), video_tokens_per_frame=video_tokens_per_frame,
+                padding=padding, padding_side=padding_side))
+        return self._to_tensors(data, return_tensors)
 
-        if return_tensors is not None:
-            for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+    def expand_and_tokenize(self, text: str | Sequence[str], image_grid_thw=None, video_grid_thw=None,
+                            video_timestamps=None, video_tokens_per_frame=None, padding: bool | str = False,
+                            padding_side: str | None = None, return_tensors: str | None = None) -> dict[str, Any]:
+        """The text half of `__call__`: expand the pad tokens for the given grids and tokenize.
+
+        This is the pruning hook without re-processing any pixels: after the vision encoder and a
+        pruning method have decided how many tokens each temporal patch keeps, call it with the
+        first call's grids and timestamps and `video_tokens_per_frame=[[n_0, ..., n_{t-1}], ...]`
+        (None for a video keeps its full count) to get the prompt the language model sees.
+        """
+        texts = [text] if isinstance(text, str) else list(text)
+        image_grids = [] if image_grid_thw is None else [tuple(int(x) for x in g) for g in image_grid_thw]
+        video_grids = [] if video_grid_thw is None else [tuple(int(x) for x in g) for g in video_grid_thw]
+        n_img = sum(t.count(IMAGE_TOKEN) for t in texts)
+        n_vid = sum(t.count(VIDEO_TOKEN) for t in texts)
+        if n_img != len(image_grids) or n_vid != len(video_grids):
+            raise ValueError(f"the prompts hold {n_img} image and {n_vid} video placeholder(s) for "
+                             f"{len(image_grids)} image and {len(video_grids)} video grid(s)")
+        if video_grids and (video_timestamps is None or len(video_timestamps) != len(video_grids)):
+            raise ValueError("video_timestamps (one list per video) are needed to expand video placeholders")
+        if video_tokens_per_frame is not None and len(video_tokens_per_frame) != len(video_grids):
+            raise ValueError(f"video_tokens_per_frame has {len(video_tokens_per_frame)} entries for "
+                             f"{len(video_grids)} video(s)")
+        image_repl = [self.image_placeholder(g) for g in image_grids]
+        merge = self.video_processor.merge_size ** 2
+        video_repl = []
+        for i, ((t, h, w), stamps) in enumerate(zip(video_grids, video_timestamps or [])):
+            counts = None if video_tokens_per_frame is None else video_tokens_per_frame[i]
+            video_repl.append(self.video_placeholder(stamps, [h * w // merge] * t if counts is None else counts))
+        ids = self.encode(self._expand(texts, image_repl, video_repl))
+        ids, mask = self._pad(ids, padding, padding_side)
+        types = []
+        for row in ids:
+            row = np.asarray(row, dtype=np.int64)
+            types.append(np.where(row == self.image_token_id, 1, np.where(row == self.video_token_id, 2, 0)).tolist())
+        data = {"input_ids": ids, "attention_mask": mask, "mm_token_type_ids": types}
+        return self._to_tensors(data, return_tensors)
+
+    @staticmethod
+    def _to_tensors(data: dict[str, Any], return_tensors: str | None) -> dict[str, Any]:
+        if return_tensors is None:
+            return data
+        if return_tensors not in ("np", "jax"):
+            raise ValueError(f"return_tensors must be None, 'np' or 'jax', got {return_tensors!r}")
+        for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+            if key in data and not isinstance(data[key], np.ndarray):
+                if len({len(row) for row in data[key]}) > 1:
+                    raise ValueError("prompts of different lengths cannot be stacked into a tensor; pass padding=True")
+                data[key] = np.asarray(data[key], dtype=np.int64).reshape(len(data[key]), -1)
+        if return_tensors == "jax":
+            import jax.numpy as jnp
+
+            for key in ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw",
+                        "pixel_values_videos", "video_grid_thw"):
                 if key in data:
-                    lengths = {len(row) for row in data[key]}
-                    if len(lengths) > 1:
-                        raise ValueError("prompts of different lengths cannot be stacked into a tensor; "
-                                         "pass padding=True")
-                    data[key] = np.asarray(data[key], dtype=np.int64).reshape(len(data[key]), -1)
-            if return_tensors == "jax":
-                import jax.numpy as jnp
-
-                for key in ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw",
-                            "pixel_values_videos", "video_grid_thw"):
-                    if key in data:
-                        data[key] = jnp.asarray(data[key])
+                    data[key] = jnp.asarray(data[key])
         return data
 
     # -- chat template

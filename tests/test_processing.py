@@ -550,6 +550,15 @@ def test_video_tokens_per_frame_hook(ours):
     assert ids.tolist() == ours.encode([expected])[0]
     # pixels are not touched by the hook
     np.testing.assert_array_equal(full["pixel_values_videos"], pruned["pixel_values_videos"])
+    # the text-only hook (no pixel work) gives the same, from the first call's grids and timestamps
+    again = ours.expand_and_tokenize(text, video_grid_thw=full["video_grid_thw"],
+                                     video_timestamps=full["video_timestamps"],
+                                     video_tokens_per_frame=[[kept] + [0] * (t - 1)], return_tensors="np")
+    assert_same_text(pruned, again)
+    assert_same_text(full, ours.expand_and_tokenize(text, video_grid_thw=full["video_grid_thw"],
+                                                    video_timestamps=full["video_timestamps"], return_tensors="np"))
+    with pytest.raises(ValueError, match="video_timestamps"):
+        ours.expand_and_tokenize(text, video_grid_thw=full["video_grid_thw"])
     with pytest.raises(ValueError, match="one count per temporal patch"):
         ours(text=text, videos=[video], video_metadata=meta, video_tokens_per_frame=[[1, 2]])
     with pytest.raises(ValueError, match="non-negative"):
