@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from ._common import keep_indices_from_mask, merged_grid
 
 __all__ = ["retained_count", "retention_mask", "keep_mask", "keep_indices", "scores", "select", "frame_budgets",
-           "ALPHAS", "CHANNEL_RATIO", "TEMPERATURE"]
+           "frame_scales", "ALPHAS", "CHANNEL_RATIO", "TEMPERATURE"]
 
 ALPHAS = (0.125, 0.25, 0.5, 1.0, 2.0)
 CHANNEL_RATIO = 0.5
@@ -63,12 +63,18 @@ def scores(embeds: jax.Array, num_frames: int, tokens_per_frame: int) -> tuple[j
     return _gaussian(z, mu_video), _gaussian(z, mu_frame)
 
 
-def frame_budgets(v: jax.Array, q: float) -> jax.Array:
-    """int32 `[T]` per-frame budgets `k_t = clip(round(scale_t * P), 1, P)` from `v` `[T, P]`."""
-    num_frames, tpf = v.shape
+def frame_scales(v: jax.Array, q: float) -> tuple[jax.Array, jax.Array]:
+    """`(p, scale)`, each `[T]`: the frame softmax of `(u - max u) / 0.01`, `u = -mean_j v`, and
+    `scale_t = min(1, (1 - q) * (1 + p_t - mean(p)))`."""
     u = -jnp.mean(v, axis=1)
     p = jax.nn.softmax((u - jnp.max(u)) / TEMPERATURE)
-    scale = jnp.minimum(1.0, (1.0 - float(q)) * (1.0 + p - jnp.mean(p)))
+    return p, jnp.minimum(1.0, (1.0 - float(q)) * (1.0 + p - jnp.mean(p)))
+
+
+def frame_budgets(v: jax.Array, q: float) -> jax.Array:
+    """int32 `[T]` per-frame budgets `k_t = clip(round_half_even(scale_t * P), 1, P)` from `v` `[T, P]`."""
+    tpf = v.shape[1]
+    _, scale = frame_scales(v, q)
     return jnp.clip(jnp.round(scale * tpf), 1, tpf).astype(jnp.int32)
 
 
