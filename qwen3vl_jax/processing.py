@@ -35,7 +35,8 @@ Output of `Qwen3VLProcessor.__call__` (same keys as HF's, plus `video_timestamps
 Research hook: `video_tokens_per_frame=[[n_0, ..., n_{t-1}], ...]` expands each video's placeholder
 with caller-given per-frame token counts instead of h*w/merge^2 per frame (video pruning keeps
 the per-frame timestamps and vision start/end markers; e.g. vLLM's EVS puts all retained tokens
-in frame 0). `Qwen3VLProcessor.video_placeholder` builds the same string directly.
+in frame 0). `Qwen3VLProcessor.expand_and_tokenize` does the same from a first call's grids and
+timestamps without touching pixels; `Qwen3VLProcessor.video_placeholder` builds one video's string.
 """
 
 from __future__ import annotations
