@@ -1,17 +1,20 @@
 """Preprocessing throughput: qwen3vl_jax.processing vs HF's Qwen3VLProcessor, in the same run.
 
     .venv/bin/python scripts/bench_processing.py [--checkpoint DIR] [--images 32] [--image-size 480x640]
-        [--video-frames 32] [--video-size 360x640] [--repeats 3]
+        [--video-frames 32] [--video-fps 2] [--video-size 360x640] [--repeats 3] [--threads N]
 
 Without --checkpoint it writes a tiny checkpoint to a temporary directory with Qwen3-VL's released
 pixel budgets (images 256^2 .. 4096^2 pixels, videos 64^2 .. 24 * 1024^2 pixels), so the sizes
 processed are those of the real model. Prints images/s and (sampled) video frames/s for ours, HF's
 `AutoProcessor` (torchvision-backed image and video processors) and HF's PIL image processor, and
 the ratios. Each timing is a full processor call (prompt expansion and tokenization included), the
-best of --repeats after one warm-up. The video-file row decodes an mp4 written (with PyAV, into a
-temporary directory) from the same frames: ours takes the path; HF, whose default decoder
-(torchcodec) may be absent, decodes with its own PyAV reader (`load_video(backend="pyav")`) and then
-processes the frames, both inside the timing. Writes nothing else.
+best of --repeats after one warm-up, the contenders taking turns so that a change of machine load
+hits all alike. The video-file row decodes an mp4 written (with PyAV, into a temporary directory)
+from the same frames: ours takes the path; HF, whose default decoder (torchcodec) may be absent,
+decodes with its own PyAV reader (`load_video(backend="pyav")`) and then processes the frames, both
+inside the timing. `--threads N` sets our thread pool and torch's intra-op threads alike. Prints the
+load average: on a shared machine, torch's spinning worker threads slow down much more than ours
+under contention, so compare figures taken at low load. Writes nothing else.
 """
 
 from __future__ import annotations
@@ -41,14 +44,17 @@ def parse_hw(text: str) -> tuple[int, int]:
     return int(h), int(w)
 
 
-def best_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def best_times(fns, repeats: int) -> list[float]:
+    """Best wall time of each function; the functions take turns, so load changes hit all alike."""
+    for fn in fns:
+        fn()  # warm-up
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for fn, acc in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            acc.append(time.perf_counter() - start)
+    return [min(t) for t in times]
 
 
 def main(argv=None) -> None:
@@ -109,14 +115,13 @@ def main(argv=None) -> None:
           f"@ {args.video_fps} fps -> {sampled} sampled, grid {grid}")
 
     rows = []
-    t_ours = best_time(lambda: ours(text=text, images=images, return_tensors="np"), args.repeats)
-    t_hf = best_time(lambda: hf(text=text, images=images, return_tensors="np"), args.repeats)
-    t_pil = best_time(lambda: hf_pil(images=images, return_tensors="np"), args.repeats)
+    t_ours, t_hf, t_pil = best_times([lambda: ours(text=text, images=images, return_tensors="np"),
+                                      lambda: hf(text=text, images=images, return_tensors="np"),
+                                      lambda: hf_pil(images=images, return_tensors="np")], args.repeats)
     rows.append(("images/s", len(images) / t_ours, len(images) / t_hf, len(images) / t_pil))
-    v_ours = best_time(lambda: ours(text=vtext, videos=[video], video_metadata=meta, return_tensors="np"),
-                       args.repeats)
-    v_hf = best_time(lambda: hf(text=vtext, videos=[video], video_metadata=meta, return_tensors="np"),
-                     args.repeats)
+    v_ours, v_hf = best_times([lambda: ours(text=vtext, videos=[video], video_metadata=meta, return_tensors="np"),
+                               lambda: hf(text=vtext, videos=[video], video_metadata=meta, return_tensors="np")],
+                              args.repeats)
     rows.append(("video frames/s", sampled / v_ours, sampled / v_hf, None))
 
     from fractions import Fraction
@@ -140,8 +145,8 @@ def main(argv=None) -> None:
         return hf(text=vtext, videos=[frames], video_metadata=[{"fps": m.fps, "total_num_frames": m.total_num_frames}],
                   return_tensors="np")
 
-    f_ours = best_time(lambda: ours(text=vtext, videos=[clip], return_tensors="np"), args.repeats)
-    f_hf = best_time(hf_file, args.repeats)
+    f_ours, f_hf = best_times([lambda: ours(text=vtext, videos=[clip], return_tensors="np"), hf_file],
+                              args.repeats)
     rows.append(("video file fr/s", sampled / f_ours, sampled / f_hf, None))
     work.cleanup()
 
