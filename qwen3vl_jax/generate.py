@@ -19,7 +19,9 @@ prompts HF's `_prepare_position_ids_for_generation` uses `attention_mask.cumsum(
 Each decode step then takes `position_ids[..., -1:] + 1` (`_update_model_kwargs_for_generation`),
 i.e. the prompt's last position + 1 + t = (real tokens + rope delta) + t, on all three axes. With
 left padding the last prompt column is always a real token, which is why batches must be
-left-padded.
+left-padded. (Rotary is relative, so a constant per-row shift of all positions only changes
+rounding; what greedy parity really needs is that decode continues each row's own positions,
+which the HF tests catch: an off-by-three start fails them.)
 
 Compile discipline: prefill compiles once per (bucket, batch, cache length, with/without
 deepstack), decode once per (batch, cache length). `COMPILE_COUNTS` counts traces (a trace precedes

@@ -229,3 +229,19 @@ def test_warpers_match_hf():
         ours = np.asarray(warp_logits(jnp.asarray(logits), temperature, top_k, top_p))
         np.testing.assert_array_equal(np.isfinite(ours), torch.isfinite(ref).numpy())
         np.testing.assert_allclose(jax.nn.softmax(ours, -1), torch.softmax(ref, -1).numpy(), atol=1e-6)
+
+
+def test_eos_and_pad_resolution():
+    """Explicit ids win; else a `generation_config` on the model (object or HF-style dict); pad falls back to EOS[0]."""
+    from types import SimpleNamespace
+
+    from qwen3vl_jax.generate import _resolve_ids
+
+    bare = SimpleNamespace()
+    assert _resolve_ids(bare, None, None) == ((), 0)
+    assert _resolve_ids(bare, 7, None) == ((7,), 7)
+    configured = SimpleNamespace(generation_config=GenerationConfig((3, 4), 9))
+    assert _resolve_ids(configured, None, None) == ((3, 4), 9)
+    assert _resolve_ids(configured, [5], 1) == ((5,), 1)
+    as_dict = SimpleNamespace(generation_config={"eos_token_id": 11})
+    assert _resolve_ids(as_dict, None, None) == ((11,), 11)
