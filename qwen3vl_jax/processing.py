@@ -41,6 +41,7 @@ timestamps without touching pixels; `Qwen3VLProcessor.video_placeholder` builds 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -54,15 +55,15 @@ from PIL import Image, ImageOps
 
 __all__ = [
     "ImageProcessor",
-    "VideoProcessor",
-    "VideoMetadata",
     "Qwen3VLProcessor",
-    "smart_resize",
-    "smart_resize_video",
-    "sample_frame_indices",
+    "VideoMetadata",
+    "VideoProcessor",
     "frame_timestamps",
     "load_image",
     "load_video",
+    "sample_frame_indices",
+    "smart_resize",
+    "smart_resize_video",
 ]
 
 IMAGE_TOKEN = "<|image_pad|>"
@@ -81,7 +82,7 @@ _RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.
 # Resizing rules (numerics mirror HF exactly: Python round/floor/ceil on floats)
 
 
-def _check_aspect_ratio(height: int | float, width: int | float) -> None:
+def _check_aspect_ratio(height: float, width: float) -> None:
     ratio = max(height, width) / min(height, width)
     if ratio > MAX_ASPECT_RATIO:
         raise ValueError(
@@ -120,7 +121,8 @@ def smart_resize_video(num_frames: int, height: int, width: int, temporal_factor
     if num_frames < temporal_factor:
         raise ValueError(
             f"video is too short: {num_frames} frame(s) sampled, at least temporal_patch_size="
-            f"{temporal_factor} are needed (t:{num_frames} must be larger than temporal_factor:{temporal_factor})"
+            f"{temporal_factor} are needed "
+            f"(t:{num_frames} must be larger than temporal_factor:{temporal_factor})"
         )
     if height < 1 or width < 1:
         raise ValueError(f"video frames are too small: height {height} and width {width}")
@@ -144,7 +146,8 @@ def smart_resize_video(num_frames: int, height: int, width: int, temporal_factor
 
 
 def sample_frame_indices(total_num_frames: int, video_fps: float | None, *, fps: float | None = None,
-                         num_frames: int | None = None, min_frames: int = 4, max_frames: int = 768) -> np.ndarray:
+                         num_frames: int | None = None, min_frames: int = 4,
+                         max_frames: int = 768) -> np.ndarray:
     """Indices of the frames to keep, as `Qwen3VLVideoProcessor.sample_frames` picks them.
 
     With `fps` (and no `num_frames`): int(duration * fps) frames clamped to [min_frames, max_frames]
@@ -164,7 +167,8 @@ def sample_frame_indices(total_num_frames: int, video_fps: float | None, *, fps:
     return np.linspace(0, total_num_frames - 1, num_frames).round().astype(int)
 
 
-def frame_timestamps(frames_indices: Sequence[int], video_fps: float, temporal_patch_size: int = 2) -> list[float]:
+def frame_timestamps(frames_indices: Sequence[int], video_fps: float,
+                     temporal_patch_size: int = 2) -> list[float]:
     """Seconds of each temporal patch: mean time of its first and last frame.
 
     Mirrors `Qwen3VLProcessor._calculate_timestamps` (the index list is padded with its last entry
@@ -195,14 +199,14 @@ class VideoMetadata:
     frames_indices: list[int] | None = None
 
     @classmethod
-    def coerce(cls, value: Any, total_num_frames: int | None = None) -> "VideoMetadata":
+    def coerce(cls, value: Any, total_num_frames: int | None = None) -> VideoMetadata:
         """A copy of `value` (a VideoMetadata, HF's VideoMetadata or a dict); a missing
         total_num_frames is taken from `total_num_frames`."""
         if isinstance(value, cls):
             return replace(value)
         if isinstance(value, dict) or hasattr(value, "keys"):
             names = {f.name for f in fields(cls)}
-            kwargs = {k: value[k] for k in value.keys() if k in names}
+            kwargs = {k: value[k] for k in value if k in names}
             if kwargs.get("total_num_frames") is None:
                 if total_num_frames is None:
                     raise ValueError("video metadata needs total_num_frames")
@@ -238,7 +242,8 @@ def _to_uint8(array: np.ndarray) -> np.ndarray:
             raise ValueError(f"pixel values must lie in [0, 255], got [{array.min()}, {array.max()}]")
         return array.astype(np.uint8)
     raise ValueError(
-        "non-integer float pixel arrays are not supported (HF round-trips them through uint8 and rescales twice); "
+        "non-integer float pixel arrays are not supported (HF round-trips them through uint8 and "
+        "rescales twice); "
         "pass uint8 arrays in [0, 255] or PIL images"
     )
 
@@ -256,7 +261,8 @@ def _channels_last(array: np.ndarray, num_channels: tuple[int, ...], data_format
     if data_format == "channels_first":
         return np.moveaxis(array, first, last)
     if data_format != "channels_last":
-        raise ValueError(f"input_data_format must be 'channels_first' or 'channels_last', got {data_format!r}")
+        raise ValueError(
+            f"input_data_format must be 'channels_first' or 'channels_last', got {data_format!r}")
     return array
 
 
@@ -298,7 +304,8 @@ def load_image(image: Any, input_data_format: str | None = None) -> np.ndarray:
         return _array_to_rgb(image, input_data_format)
     if hasattr(image, "__array__") and not isinstance(image, (list, tuple)):  # jax arrays and the like
         return load_image(np.asarray(image), input_data_format)
-    raise TypeError(f"unsupported image type {type(image).__name__}: pass a PIL image, a numpy array or a path")
+    raise TypeError(
+        f"unsupported image type {type(image).__name__}: pass a PIL image, a numpy array or a path")
 
 
 def load_video(path: str | os.PathLike, sample_fn=None) -> tuple[np.ndarray, VideoMetadata]:
@@ -334,7 +341,7 @@ def load_video(path: str | os.PathLike, sample_fn=None) -> tuple[np.ndarray, Vid
         if total <= 0:
             raise ValueError(f"could not read video file {path}: no decodable frames")
         indices = np.arange(total) if sample_fn is None else np.asarray(sample_fn(metadata))
-        wanted = set(int(i) for i in indices)
+        wanted = {int(i) for i in indices}
         last = int(indices[-1])
         frames = []
         for i, frame in enumerate(container.decode(video=0)):
@@ -405,7 +412,7 @@ def _lookup_table(do_rescale, rescale_factor, do_normalize, mean, std) -> np.nda
     return _LUT_CACHE[key]
 
 
-def _affine_path(config: "_PixelConfig") -> list[tuple[np.float32, np.float32, np.float32]] | None:
+def _affine_path(config: _PixelConfig) -> list[tuple[np.float32, np.float32, np.float32]] | None:
     """Per channel (divisor, mean, std) such that float32 ((v / divisor) - mean) / std equals the
     lookup table for all 256 levels, or None if that arithmetic is not exact for this config.
 
@@ -518,7 +525,7 @@ class ImageProcessor:
         self.config = config
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ImageProcessor":
+    def from_dict(cls, d: dict[str, Any]) -> ImageProcessor:
         # Defaults for absent keys are those of HF's Qwen2VLImageProcessor class.
         defaults = _PixelConfig(patch_size=14, min_pixels=56 * 56, max_pixels=28 * 28 * 1280,
                                 image_mean=(0.48145466, 0.4578275, 0.40821073),
@@ -599,7 +606,7 @@ class VideoProcessor:
         self.video = video
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "VideoProcessor":
+    def from_dict(cls, d: dict[str, Any]) -> VideoProcessor:
         # Defaults for absent keys are those of HF's Qwen3VLVideoProcessor class.
         defaults = _PixelConfig(patch_size=16, min_pixels=128 * 32 * 32, max_pixels=32 * 32 * 768,
                                 image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5))
@@ -618,7 +625,8 @@ class VideoProcessor:
 
     def _sampler(self, video: _VideoConfig, fps, num_frames):
         def sample(metadata: VideoMetadata) -> np.ndarray:
-            return sample_frame_indices(metadata.total_num_frames, metadata.fps, fps=fps, num_frames=num_frames,
+            return sample_frame_indices(metadata.total_num_frames, metadata.fps, fps=fps,
+                                        num_frames=num_frames,
                                         min_frames=video.min_frames, max_frames=video.max_frames)
         return sample
 
@@ -638,7 +646,8 @@ class VideoProcessor:
         else:
             frames = np.asarray(video)
             if frames.ndim != 4:
-                raise ValueError(f"a video array must have 4 dimensions (T, H, W, C), got shape {frames.shape}")
+                raise ValueError(
+                    f"a video array must have 4 dimensions (T, H, W, C), got shape {frames.shape}")
             frames = _array_to_rgb(frames, input_data_format, num_channels=(1, 3))
         total = len(frames)
         if metadata is None:
@@ -656,7 +665,8 @@ class VideoProcessor:
                 meta.fps = 24  # HF's default when sampling by fps without a source fps
             indices = sampler(meta)
             if len(indices) and indices[-1] >= total:
-                raise ValueError(f"video metadata says {meta.total_num_frames} frames but the array has {total}")
+                raise ValueError(
+                    f"video metadata says {meta.total_num_frames} frames but the array has {total}")
             frames = frames[indices]
             meta.frames_indices = [int(i) for i in indices]
         return frames, meta
@@ -685,10 +695,11 @@ class VideoProcessor:
                                       config.min_pixels, max_pixels)
         else:
             if height % config.factor or width % config.factor:
-                raise ValueError(f"with do_resize=False the frame size ({height}, {width}) must be a multiple "
-                                 f"of patch_size * merge_size = {config.factor}")
+                raise ValueError(f"with do_resize=False the frame size ({height}, {width}) must be a "
+                                 f"multiple of patch_size * merge_size = {config.factor}")
             if n < config.temporal_patch_size:
-                raise ValueError(f"video is too short: {n} frame(s), need at least {config.temporal_patch_size}")
+                raise ValueError(
+                    f"video is too short: {n} frame(s), need at least {config.temporal_patch_size}")
         tp, p, m = config.temporal_patch_size, config.patch_size, config.merge_size
         order = list(range(n)) + [n - 1] * (-n % tp)  # the last frame repeats to fill a patch, as in HF
         gt = len(order) // tp
@@ -703,7 +714,7 @@ class VideoProcessor:
 
         pieces = max(1, min(gt, 2 * num_threads))
         bounds = np.linspace(0, gt, pieces + 1).round().astype(int)
-        _map(work, [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a], num_threads)
+        _map(work, [(int(a), int(b)) for a, b in itertools.pairwise(bounds) if b > a], num_threads)
         patches = out.reshape(gt * (h // p) * (w // p), frames.shape[-1] * tp * p * p)
         grid = (gt, h // p, w // p)
         fps_for_time = 24 if meta.fps is None else meta.fps
@@ -715,8 +726,9 @@ class VideoProcessor:
                  fps: float | None = None, num_frames: int | None = None, num_threads: int | None = None,
                  **kwargs) -> dict[str, Any]:
         config = _size_overrides(self.config, kwargs)
-        vc = replace(self.video, **{f.name: kwargs[f.name] for f in fields(_VideoConfig)
-                                    if kwargs.get(f.name) is not None and f.name not in ("fps", "num_frames")})
+        vc = replace(self.video, **{
+            f.name: kwargs[f.name] for f in fields(_VideoConfig)
+            if kwargs.get(f.name) is not None and f.name not in ("fps", "num_frames")})
         videos = _batch_videos(videos)
         if video_metadata is None:
             metas = [None] * len(videos)
@@ -725,12 +737,14 @@ class VideoProcessor:
         else:
             metas = [video_metadata]
         if len(metas) != len(videos):
-            raise ValueError(f"got {len(videos)} videos but {len(metas)} video_metadata entries; pass one per video")
+            raise ValueError(
+                f"got {len(videos)} videos but {len(metas)} video_metadata entries; pass one per video")
+        threads = _default_threads() if num_threads is None else num_threads
         patches, grids, stamps, out_meta = [], [], [], []
         for video, meta in zip(videos, metas):
             x, grid, ts, m = self.process_one(video, meta, config=config, video_config=vc, fps=fps,
                                               num_frames=num_frames, input_data_format=input_data_format,
-                                              num_threads=_default_threads() if num_threads is None else num_threads)
+                                              num_threads=threads)
             patches.append(x)
             grids.append(grid)
             stamps.append(ts)
@@ -742,8 +756,9 @@ class VideoProcessor:
 
 def _pixel_config_from_dict(d: dict[str, Any], defaults: _PixelConfig) -> _PixelConfig:
     """Build from a preprocessor_config.json dict (HF's keys; min/max_pixels override size)."""
-    kwargs = {k: d[k] for k in ("patch_size", "temporal_patch_size", "merge_size", "rescale_factor", "resample",
-                                "do_resize", "do_rescale", "do_normalize", "do_convert_rgb") if d.get(k) is not None}
+    keys = ("patch_size", "temporal_patch_size", "merge_size", "rescale_factor", "resample", "do_resize",
+            "do_rescale", "do_normalize", "do_convert_rgb")
+    kwargs = {k: d[k] for k in keys if d.get(k) is not None}
     for key in ("image_mean", "image_std"):
         if d.get(key) is not None:
             v = d[key]
@@ -811,7 +826,8 @@ def _load_tokenizer(path: str, tokenizer_config: dict[str, Any]):
             pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False),
         ])
         tokenizer.decoder = decoders.ByteLevel()
-        tokenizer.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B:1", special_tokens=[])
+        tokenizer.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B:1",
+                                                                 special_tokens=[])
     tokenizer.no_padding()
     tokenizer.no_truncation()
     return tokenizer
@@ -832,7 +848,8 @@ def _compile_chat_template(template: str):
         raise TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
 
     def strftime_now(format):
         from datetime import datetime
@@ -884,7 +901,7 @@ class Qwen3VLProcessor:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, images_kwargs: dict[str, Any] | None = None,
-                        videos_kwargs: dict[str, Any] | None = None) -> "Qwen3VLProcessor":
+                        videos_kwargs: dict[str, Any] | None = None) -> Qwen3VLProcessor:
         """Load from an HF checkpoint directory (tokenizer.json, tokenizer_config.json, chat template,
         preprocessor_config.json, video_preprocessor_config.json). `images_kwargs` / `videos_kwargs`
         override config entries (e.g. {"size": {"shortest_edge": ..., "longest_edge": ...}})."""
@@ -1061,11 +1078,13 @@ class Qwen3VLProcessor:
             n_img = sum(t.count(IMAGE_TOKEN) for t in texts)
             n_vid = sum(t.count(VIDEO_TOKEN) for t in texts)
             if n_img != len(image_list):
-                raise ValueError(f"the prompts hold {n_img} {IMAGE_TOKEN} placeholder(s) but {len(image_list)} "
-                                 f"image(s) were passed; each image needs exactly one placeholder")
+                raise ValueError(f"the prompts hold {n_img} {IMAGE_TOKEN} placeholder(s) but "
+                                 f"{len(image_list)} image(s) were passed; each image needs exactly one "
+                                 f"placeholder")
             if n_vid != len(video_list):
-                raise ValueError(f"the prompts hold {n_vid} {VIDEO_TOKEN} placeholder(s) but {len(video_list)} "
-                                 f"video(s) were passed; each video needs exactly one placeholder")
+                raise ValueError(f"the prompts hold {n_vid} {VIDEO_TOKEN} placeholder(s) but "
+                                 f"{len(video_list)} video(s) were passed; each video needs exactly one "
+                                 f"placeholder")
 
         data: dict[str, Any] = {}
         if image_list:
@@ -1086,7 +1105,8 @@ class Qwen3VLProcessor:
 
     def expand_and_tokenize(self, text: str | Sequence[str], image_grid_thw=None, video_grid_thw=None,
                             video_timestamps=None, video_tokens_per_frame=None, padding: bool | str = False,
-                            padding_side: str | None = None, return_tensors: str | None = None) -> dict[str, Any]:
+                            padding_side: str | None = None,
+                            return_tensors: str | None = None) -> dict[str, Any]:
         """The text half of `__call__`: expand the pad tokens for the given grids and tokenize.
 
         This is the pruning hook without re-processing any pixels: after the vision encoder and a
@@ -1112,13 +1132,15 @@ class Qwen3VLProcessor:
         video_repl = []
         for i, ((t, h, w), stamps) in enumerate(zip(video_grids, video_timestamps or [])):
             counts = None if video_tokens_per_frame is None else video_tokens_per_frame[i]
-            video_repl.append(self.video_placeholder(stamps, [h * w // merge] * t if counts is None else counts))
+            counts = [h * w // merge] * t if counts is None else counts
+            video_repl.append(self.video_placeholder(stamps, counts))
         ids = self.encode(self._expand(texts, image_repl, video_repl))
         ids, mask = self._pad(ids, padding, padding_side)
         types = []
         for row in ids:
             row = np.asarray(row, dtype=np.int64)
-            types.append(np.where(row == self.image_token_id, 1, np.where(row == self.video_token_id, 2, 0)).tolist())
+            kind = np.where(row == self.image_token_id, 1, np.where(row == self.video_token_id, 2, 0))
+            types.append(kind.tolist())
         data = {"input_ids": ids, "attention_mask": mask, "mm_token_type_ids": types}
         return self._to_tensors(data, return_tensors)
 
@@ -1131,7 +1153,8 @@ class Qwen3VLProcessor:
         for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
             if key in data and not isinstance(data[key], np.ndarray):
                 if len({len(row) for row in data[key]}) > 1:
-                    raise ValueError("prompts of different lengths cannot be stacked into a tensor; pass padding=True")
+                    raise ValueError(
+                        "prompts of different lengths cannot be stacked into a tensor; pass padding=True")
                 data[key] = np.asarray(data[key], dtype=np.int64).reshape(len(data[key]), -1)
         if return_tensors == "jax":
             import jax.numpy as jnp
@@ -1155,7 +1178,8 @@ class Qwen3VLProcessor:
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError("this checkpoint has no chat template; pass chat_template=...")
-        batched = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
+        batched = (isinstance(messages, (list, tuple)) and bool(messages)
+                   and isinstance(messages[0], (list, tuple)))
         conversations = list(messages) if batched else [messages]
         if chat_template is None:
             if self._template is None:

@@ -31,7 +31,7 @@ from PIL import Image
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from qwen3vl_jax.processing import Qwen3VLProcessor  # noqa: E402
+from qwen3vl_jax.processing import Qwen3VLProcessor
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 VID = "<|vision_start|><|video_pad|><|vision_end|>"
@@ -58,7 +58,8 @@ def best_times(fns, repeats: int) -> list[float]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", help="HF checkpoint dir (default: a tiny one with released budgets)")
     parser.add_argument("--images", type=int, default=32, help="images per timed call")
     parser.add_argument("--image-size", type=parse_hw, default=(480, 640))
@@ -107,11 +108,12 @@ def main(argv=None) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
         ours_call = ours.__call__
-        ours = lambda *a, **k: ours_call(*a, num_threads=args.threads, **k)  # noqa: E731
+        ours = lambda *a, **k: ours_call(*a, num_threads=args.threads, **k)
     print(f"checkpoint: {path}")
     print(f"cpu cores: {os.cpu_count()}, load average: {os.getloadavg()[0]:.2f}, torch threads: "
           f"{torch.get_num_threads()}, our threads: {args.threads or 'min(8, cores)'}")
-    print(f"images: {len(images)} x {h}x{w} -> grid {igrid} each; video: {args.video_frames} frames {vh}x{vw} "
+    print(f"images: {len(images)} x {h}x{w} -> grid {igrid} each; "
+          f"video: {args.video_frames} frames {vh}x{vw} "
           f"@ {args.video_fps} fps -> {sampled} sampled, grid {grid}")
 
     rows = []
@@ -119,9 +121,9 @@ def main(argv=None) -> None:
                                       lambda: hf(text=text, images=images, return_tensors="np"),
                                       lambda: hf_pil(images=images, return_tensors="np")], args.repeats)
     rows.append(("images/s", len(images) / t_ours, len(images) / t_hf, len(images) / t_pil))
-    v_ours, v_hf = best_times([lambda: ours(text=vtext, videos=[video], video_metadata=meta, return_tensors="np"),
-                               lambda: hf(text=vtext, videos=[video], video_metadata=meta, return_tensors="np")],
-                              args.repeats)
+    v_ours, v_hf = best_times(
+        [lambda: ours(text=vtext, videos=[video], video_metadata=meta, return_tensors="np"),
+         lambda: hf(text=vtext, videos=[video], video_metadata=meta, return_tensors="np")], args.repeats)
     rows.append(("video frames/s", sampled / v_ours, sampled / v_hf, None))
 
     from fractions import Fraction
@@ -142,8 +144,8 @@ def main(argv=None) -> None:
 
     def hf_file():
         frames, m = hf_load_video(clip, backend="pyav")
-        return hf(text=vtext, videos=[frames], video_metadata=[{"fps": m.fps, "total_num_frames": m.total_num_frames}],
-                  return_tensors="np")
+        file_meta = [{"fps": m.fps, "total_num_frames": m.total_num_frames}]
+        return hf(text=vtext, videos=[frames], video_metadata=file_meta, return_tensors="np")
 
     f_ours, f_hf = best_times([lambda: ours(text=vtext, videos=[clip], return_tensors="np"), hf_file],
                               args.repeats)
