@@ -149,7 +149,7 @@ def select_tokens(logits: jnp.ndarray, key, temperature, top_k, top_p, *, do_sam
 
 
 def _qkv(layer, x, cos, sin):
-    """The first half of `text.DecoderLayer` (same math): normed, rotated q `[B, L, H, D]`, k, v `[B, L, G, D]`."""
+    """First half of `text.DecoderLayer` (same math): rotated q `[B, L, H, D]`, k and v `[B, L, G, D]`."""
     attn = layer.self_attn
     b, length, _ = x.shape
     d = attn.config.head_dim
@@ -179,7 +179,7 @@ def _embed(graphdef, state, inputs):
 @functools.partial(jax.jit, static_argnames=("graphdef", "implementation", "slots", "do_sample"))
 def _prefill(graphdef, state, embeds, deepstack, positions, attention_mask, key, temperature, top_k, top_p, *,
              implementation, slots, do_sample):
-    """Prompt pass over the bucket: returns (first tokens [B], logits [B, V], cache (k, v) [N, B, S, G, D])."""
+    """Prompt pass over the bucket: (first tokens [B], logits [B, V], cache (k, v) [N, B, S, G, D])."""
     COMPILE_COUNTS["prefill"] += 1
     model = nnx.merge(graphdef, state)
     lm = model.language_model
@@ -203,9 +203,10 @@ def _prefill(graphdef, state, embeds, deepstack, positions, attention_mask, key,
     return tokens, logits, cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "implementation", "do_sample"), donate_argnames=("cache",))
-def _decode_step(graphdef, state, cache, tokens, positions, index, key_mask, key, step, temperature, top_k, top_p,
-                 *, implementation, do_sample):
+@functools.partial(jax.jit, static_argnames=("graphdef", "implementation", "do_sample"),
+                   donate_argnames=("cache",))
+def _decode_step(graphdef, state, cache, tokens, positions, index, key_mask, key, step, temperature, top_k,
+                 top_p, *, implementation, do_sample):
     """One token per row. tokens `[B]`, positions `[3, B]`, index: the cache slot written,
     key_mask `[B, S]` (prompt mask, True beyond the prompt). Returns (next tokens, logits, cache)."""
     COMPILE_COUNTS["decode"] += 1
@@ -257,8 +258,8 @@ def _generation_positions(inputs):
         return inputs
     mask = np.asarray(inputs.attention_mask)
     text = np.where(mask, np.cumsum(mask, axis=-1) - 1, 0)
-    return dataclasses.replace(inputs, positions=jnp.asarray(np.broadcast_to(text, (3, *mask.shape)), jnp.int32),
-                               rope_deltas=jnp.zeros_like(inputs.rope_deltas))
+    positions = jnp.asarray(np.broadcast_to(text, (3, *mask.shape)), jnp.int32)
+    return dataclasses.replace(inputs, positions=positions, rope_deltas=jnp.zeros_like(inputs.rope_deltas))
 
 
 def _resolve_ids(model, eos_token_id, pad_token_id) -> tuple[tuple[int, ...], int]:
@@ -344,8 +345,8 @@ def generate(
     impl = model.attention_implementation
 
     embeds, deepstack = _embed(graphdef, state, inputs)
-    tokens, _, cache = _prefill(graphdef, state, embeds, deepstack, inputs.positions, inputs.attention_mask, rng,
-                                *sampling, implementation=impl, slots=slots, do_sample=do_sample)
+    tokens, _, cache = _prefill(graphdef, state, embeds, deepstack, inputs.positions, inputs.attention_mask,
+                                rng, *sampling, implementation=impl, slots=slots, do_sample=do_sample)
     key_mask = jnp.pad(inputs.attention_mask, ((0, 0), (0, slots - bucket)), constant_values=True)
 
     batch = ids.shape[0]

@@ -93,7 +93,8 @@ def test_greedy_matches_hf(case, processor, hf_model, jax_model, gen_config):
         assert int(batch["video_grid_thw"][0, 0]) >= 3
     with torch.no_grad():
         ref = hf_model.generate(**batch, do_sample=False, max_new_tokens=NEW,
-                                eos_token_id=list(gen_config.eos_token_ids), pad_token_id=gen_config.pad_token_id)
+                                eos_token_id=list(gen_config.eos_token_ids),
+                                pad_token_id=gen_config.pad_token_id)
     ours = jax_model.generate(**_np(batch), max_new_tokens=NEW, eos_token_id=gen_config.eos_token_ids,
                               pad_token_id=gen_config.pad_token_id)
     length = batch["input_ids"].shape[1]
@@ -110,7 +111,8 @@ def test_eos_finishes_rows_and_pads_like_hf(processor, hf_model, jax_model, gen_
     step = next(t for t in range(2, 12) if row0[t] not in row0[:t] and row0[t] not in row1[:t + 1])
     eos, pad = int(row0[step]), gen_config.pad_token_id
     with torch.no_grad():
-        ref = hf_model.generate(**batch, do_sample=False, max_new_tokens=12, eos_token_id=eos, pad_token_id=pad)
+        ref = hf_model.generate(**batch, do_sample=False, max_new_tokens=12, eos_token_id=eos,
+                                pad_token_id=pad)
     ours = jax_model.generate(**_np(batch), max_new_tokens=12, eos_token_id=eos, pad_token_id=pad)
     np.testing.assert_array_equal(ours, ref.numpy())
     assert ours[0, length + step] == eos and (ours[0, length + step + 1:] == pad).all()
@@ -232,7 +234,7 @@ def test_warpers_match_hf():
 
 
 def test_eos_and_pad_resolution():
-    """Explicit ids win; else a `generation_config` on the model (object or HF-style dict); pad falls back to EOS[0]."""
+    """Explicit ids win, else the model's `generation_config` (object or dict); pad falls back to EOS[0]."""
     from types import SimpleNamespace
 
     from qwen3vl_jax.generate import _resolve_ids
