@@ -5,8 +5,9 @@ Mirrors HF transformers' `Qwen3VLProcessor` (processing_qwen3_vl.py), `Qwen2VLIm
 numpy + PIL only (no torch at run time). Token ids, grids and timestamps are identical to HF's;
 image pixels are bit-identical to HF's PIL image processor; video pixels (and images against HF's
 torchvision-backed image processor) differ only by resampling noise, since HF resizes videos with
-torchvision's antialiased bicubic while this module uses PIL's bicubic (same kernel; the rounding
-of the separable passes differs: mean < 0.3 of a uint8 level, max a few levels, see the tests).
+torchvision's antialiased bicubic while this module uses PIL's bicubic (same kernel; rounding in
+the separable passes differs, mostly where one axis shrinks and the other grows: mean < 0.3 of a
+uint8 level, max a few levels, see the tests).
 
 Speed: rescale + normalize run as float32 arithmetic verified at start-up to give the same bits as
 HF's op order for all 256 levels (else a per-level lookup table); uint8 pixels are rearranged into

@@ -32,13 +32,12 @@ av = pytest.importorskip("av")
 
 LEVEL = 2 / 255  # one uint8 step after rescale (1/255) and normalize (std 0.5)
 # Resampling noise bound vs the torchvision-backed processors. torchvision's antialiased bicubic
-# on uint8 is Pillow's algorithm (same a = -0.5 kernel and support), but both resample in two
-# separable passes through a rounded intermediate, and torchvision does not always take Pillow's
-# pass order (horizontal first) nor a uint8 intermediate (5-D video tensors). The rounding then
-# differs by up to a few levels where the content is noisy. Measured on these test images
-# (`pytest -s` prints each case): most cases mean < 0.01 level, max <= 2 levels; worst cases
-# (a 2000x11 image resized anisotropically, a 40x56 video upscaled to 64x64, several images):
-# mean 0.28 level, max 5 levels.
+# on uint8 follows Pillow's algorithm (a = -0.5 kernel, support scaled when shrinking), and both
+# resample in two separable passes through a rounded uint8 intermediate; where they differ is in
+# rounding, and most where one axis shrinks while the other grows (e.g. 2000x11 -> 1024x32,
+# 40x56 -> 32x64), which neither pass order of Pillow reproduces. Measured on these test images
+# (`pytest -s` prints each case): same-direction resizes mean < 0.01 level, max <= 2 levels;
+# mixed-direction ones mean up to 0.28 level, max 5 levels.
 TV_MEAN_BOUND, TV_MAX_BOUND = 0.4 * LEVEL, 6 * LEVEL
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -93,10 +92,6 @@ def rand_video(t, h, w, seed=0):
         base = np.stack([127 + 100 * np.sin((x + 3 * i) / 6.0 + c) * np.cos(y / 4.0) for c in range(3)], -1)
         frames.append(np.clip(base + rng.normal(0, 15, (h, w, 3)), 0, 255))
     return np.stack(frames).astype(np.uint8)
-
-
-def np_out(d):
-    return {k: v for k, v in d.items()}
 
 
 def assert_same_text(a, b):
