@@ -200,12 +200,14 @@ def _r(a, b):
 
 
 GOLDEN = [
-    ("evs", 4, 4, 4, 8, 0.5, [16, 5, 6, 5], _r(0, 15) + [19, 20, 24, 25, 30, 34, 36, 40, 41, 45, 46, 52, 56, 57, 61, 62]),
+    ("evs", 4, 4, 4, 8, 0.5, [16, 5, 6, 5],
+     _r(0, 15) + [19, 20, 24, 25, 30, 34, 36, 40, 41, 45, 46, 52, 56, 57, 61, 62]),
     ("vidcom2", 4, 4, 4, 8, 0.5, [6, 7, 9, 10],
-     [3, 4, 5, 10, 11, 12, 18, 19, 20, 21, 25, 26, 27, 33, 34, 35, 37, 40, 41, 42, 43, 46, 49, 50, 52, 53, 55, 56,
-      58, 59, 61, 62]),
+     [3, 4, 5, 10, 11, 12, 18, 19, 20, 21, 25, 26, 27, 33, 34, 35, 37, 40, 41, 42, 43, 46, 49, 50, 52, 53,
+      55, 56, 58, 59, 61, 62]),
     ("evs", 4, 4, 4, 8, 0.75, [16, 0, 0, 0], _r(0, 15)),
-    ("vidcom2", 4, 4, 4, 8, 0.75, [3, 4, 4, 5], [4, 10, 11, 19, 25, 26, 27, 34, 40, 42, 46, 50, 53, 56, 58, 62]),
+    ("vidcom2", 4, 4, 4, 8, 0.75, [3, 4, 4, 5],
+     [4, 10, 11, 19, 25, 26, 27, 34, 40, 42, 46, 50, 53, 56, 58, 62]),
     ("evs", 3, 2, 3, 6, 0.5, [6, 2, 1], _r(0, 5) + [9, 10, 15]),
     ("vidcom2", 3, 2, 3, 6, 0.5, [4, 3, 2], [0, 3, 4, 5, 6, 7, 8, 13, 14]),
     ("evs", 6, 3, 4, 16, 0.7, [12, 2, 2, 2, 1, 2], _r(0, 11) + [16, 21, 28, 33, 39, 45, 52, 64, 69]),
@@ -354,15 +356,15 @@ def test_closed_form_matches_recompute_random():
         for n in ts_len:
             unpruned += [TS] * int(n) + [VS] + [VID] * tpf + [VE]
         unpruned = np.array(unpruned + [X] * after)
-        pos_u, _ = get_rope_index(unpruned[None], types_of(unpruned)[None], video_grid_thw=[[frames, 2 * rows, 2 * cols]])
+        grid = [[frames, 2 * rows, 2 * cols]]
+        pos_u, _ = get_rope_index(unpruned[None], types_of(unpruned)[None], video_grid_thw=grid)
         pos, delta = P.prune_positions(pos_u[:, 0], P.sequence_keep_mask(types_of(unpruned), [mask]))
         # vLLM: lumped prompt, initial positions, block metadata, recompute
         lumped = [X] * before
         for f, n in enumerate(ts_len):
             lumped += [TS] * int(n) + [VS] + [VID] * (k if f == 0 else 0) + [VE]
         lumped = np.array(lumped + [X] * after)
-        initial, _ = P.lumped_initial_positions(types_of(lumped), video_grid_thw=[[frames, 2 * rows, 2 * cols]],
-                                                video_token_counts=[k])
+        initial, _ = P.lumped_initial_positions(types_of(lumped), video_grid_thw=grid, video_token_counts=[k])
         meta = P.video_block_metadata(ts_len, rows, cols, mask)
         final, delta_v = P.recompute_mrope_positions(lumped, [meta], initial, 0, VS, IMG, VID)
         np.testing.assert_array_equal(final[:, :lumped.size], pos)
@@ -483,20 +485,33 @@ def test_jit_static_keep_count(method):
     frames, rows, cols = 4, 4, 4
     e = jnp.asarray(golden_embeds(frames, rows, cols, 8), jnp.float32)
     k = mod.retained_count(16, 4, 0.5)
-    extra = (0.5,) if method == "vidcom2" else ()
+    extra = (1.0 - 0.5,) if method == "vidcom2" else ()  # VidCom2's core takes the retention 1 - q
+    ref = np.flatnonzero(np.asarray(mod.retention_mask(np.asarray(e), (4, 8, 8), 2, 0.5))).tolist()
 
     @jax.jit
     def kept(x):  # the core traced inside a caller's jit: static (T, R, C, K), traced embeddings
         mask = mod.keep_mask(x, frames, rows, cols, k, *extra)
-        return jnp.nonzero(mask, size=k)[0], x[jnp.nonzero(mask, size=k)[0]]
+        idx = jnp.nonzero(mask, size=k)[0]
+        return idx, x[idx]
 
     idx, rows_kept = kept(e)
     assert idx.shape == (k,) and rows_kept.shape == (k, 8)
-    ref = np.asarray(mod.retention_mask(np.asarray(e), (4, 8, 8), 2, 0.5))
-    assert np.asarray(idx).tolist() == np.flatnonzero(ref).tolist()
-    lowered = jax.jit(mod.keep_mask, static_argnums=tuple(range(1, 5 + len(extra)))).lower(e, frames, rows, cols, k,
-                                                                                           *extra)
-    assert lowered.out_info.shape == (64,)
+    assert np.asarray(idx).tolist() == ref
+    # K static as well: a static-shape program
+    static = jax.jit(mod.keep_mask, static_argnums=tuple(range(1, 5 + len(extra))))
+    assert np.flatnonzero(np.asarray(static(e, frames, rows, cols, k, *extra))).tolist() == ref
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_one_compile_for_every_rate(method):
+    mod = PRUNING_METHODS[method]
+    e = golden_embeds(3, 5, 3, 10).astype(np.float32)  # a shape no other test uses
+    mod.retention_mask(e, (3, 10, 6), 2, 0.25)
+    before = mod.keep_mask._cache_size()
+    for q in (0.5, 0.75, 0.9):
+        mask = mod.retention_mask(e, (3, 10, 6), 2, q)
+        assert int(mask.sum()) == mod.retained_count(15, 3, q)
+    assert mod.keep_mask._cache_size() == before
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -606,3 +621,14 @@ def test_vidcom2_matches_torch_reference():
             want = torch_vidcom2_mask(x, frames, rows * cols, q)
             got = np.asarray(vidcom2.retention_mask(x, (frames, 2 * rows, 2 * cols), 2, q))
             np.testing.assert_array_equal(got, want, err_msg=f"{frames}x{rows}x{cols} q={q}")
+
+
+def test_lumped_short_slot_quirk():
+    """§5.2 / F5: a VidCom2 lump with 0 < K < tpf still emits a whole grid, so vLLM's initial
+    positions run tpf - K columns past the prompt; the closed form has no such tail."""
+    k = vidcom2.retained_count(16, 4, 0.99)
+    assert k == 4
+    lumped = np.array([X, VS] + [VID] * k + [VE] + [VS, VE] * 3 + [X])
+    initial, _ = P.lumped_initial_positions(types_of(lumped), video_grid_thw=[[4, 8, 8]], video_token_counts=[k])
+    assert initial.shape == (3, lumped.size + 16 - k)
+    np.testing.assert_array_equal(initial[:, 2:18], 2 + np.stack([np.zeros(16, int), *np.divmod(np.arange(16), 4)]))

@@ -1,11 +1,12 @@
-"""Video token pruning for Qwen3-VL: EVS and VidCom2, bit-compatible with vLLM 0.33.0's masks and counts.
+"""Video token pruning for Qwen3-VL: EVS and VidCom2 with vLLM 0.33.0's counts, masks and tie rules.
 
 Spec: notes/video-pruning.md. Each method module exposes
 
   retained_count(tokens_per_frame, num_frames, q) -> int      the K the prompt placeholder is sized for
   retention_mask(embeds [N, D_tot], grid_thw, spatial_merge_size, q) -> bool [N]   (one video, K trues)
   keep_indices(embeds, grid_thw, spatial_merge_size, q) -> int32 [K]               (ascending flat indices)
-  keep_mask(embeds, T, R, C, K[, q]) -> bool [N]     the jitted core, static (T, R, C, K[, q])
+  keep_mask(embeds, T, R, C, K[, 1 - q]) -> bool [N]  the jitted core: static (T, R, C); K (and VidCom2's
+                                                      retention 1 - q) static or traced
 
 `embeds` are the full rows `[merged | deepstack_0 | ...]` (`concat_levels`) in flat frame-major order
 `t*R*C + r*C + c`. Rate 0 (or None) means pruning is off; `validate_video_pruning` says so.

@@ -17,15 +17,15 @@ import jax.numpy as jnp
 
 from ._common import keep_indices_from_mask, merged_grid
 
-__all__ = ["retained_count", "retention_mask", "keep_mask", "keep_indices", "dissimilarity", "FIRST_FRAME_SCORE",
-           "COSINE_EPS"]
+__all__ = ["retained_count", "retention_mask", "keep_mask", "keep_indices", "dissimilarity",
+           "FIRST_FRAME_SCORE", "COSINE_EPS"]
 
 FIRST_FRAME_SCORE = 255.0
 COSINE_EPS = 1e-8
 
 
 def retained_count(tokens_per_frame: int, num_frames: int, q: float) -> int:
-    """`max(tpf, int((tpf * T) * (1 - q)))` in IEEE double, in this order (e.g. 100 tokens at q=0.9 keep 9)."""
+    """`max(tpf, int((tpf * T) * (1 - q)))` in IEEE double, in this order (100 tokens at q=0.9 keep 9)."""
     tokens_per_frame, num_frames = int(tokens_per_frame), int(num_frames)
     total = tokens_per_frame * num_frames
     kept = int(float(total) * (1.0 - float(q)))
@@ -56,20 +56,24 @@ def dissimilarity(embeds: jax.Array, num_frames: int, rows: int, cols: int) -> j
     return jnp.concatenate([first, dis], axis=0).reshape(-1)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def keep_mask(embeds: jax.Array, num_frames: int, rows: int, cols: int, keep: int) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def keep_mask(embeds: jax.Array, num_frames: int, rows: int, cols: int, keep) -> jax.Array:
     """Bool `[N]`: the `keep` most dissimilar tokens (stable descending sort, ties to the lower index).
 
-    Pure jnp with static `(T, R, C, K)`; `embeds` is `[T*R*C, D]` in flat frame-major order.
+    Pure jnp; `(T, R, C)` static, `keep` a Python int (static K) or a traced int32 scalar (the mask
+    shape does not depend on it, so one compile serves every rate). `embeds` is `[T*R*C, D]` in flat
+    frame-major order.
     """
     n = num_frames * rows * cols
     if embeds.shape[0] != n:
-        raise ValueError(f"embeds has {embeds.shape[0]} rows, the grid T={num_frames} R={rows} C={cols} gives {n}")
+        raise ValueError(f"embeds has {embeds.shape[0]} rows, the grid T={num_frames} R={rows} C={cols} "
+                         f"gives {n}")
     if n == 0:
         return jnp.zeros((0,), bool)
     dis = dissimilarity(embeds, num_frames, rows, cols)
-    order = jnp.argsort(dis, descending=True, stable=True)[:keep]
-    return jnp.zeros((n,), bool).at[order].set(True)
+    order = jnp.argsort(dis, descending=True, stable=True)
+    rank = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+    return rank < keep
 
 
 def retention_mask(embeds, grid_thw, spatial_merge_size: int, q: float) -> jax.Array:

@@ -12,7 +12,8 @@ which is also `last prompt position + 1 + i` whenever the prompt ends with text.
 
   sequence_keep_mask(mm_token_type_ids, video_masks)    -> bool keep mask over the unpruned prompt
   prune_positions(positions [3, L], keep [L])             -> (positions [3, S], delta)
-  prune_batch(positions [3, B, L], keep, attention_mask)  -> PrunedBatch (gather index, mask, positions, deltas)
+  prune_batch(positions [3, B, L], keep, attention_mask)  -> PrunedBatch (gather index, attention mask,
+                                                             positions, rope deltas)
 
 The rest reproduces vLLM 0.33.0's own bookkeeping for parity checks (the lumped prompt, the 5-channel
 block metadata and `recompute_mrope_positions`); in the cases vLLM handles correctly (one media
@@ -103,11 +104,12 @@ def prune_batch(positions, keep, attention_mask=None, padding_side: str = "left"
     positions = np.asarray(positions)
     keep = np.asarray(keep, dtype=bool)
     if positions.ndim != 3 or positions.shape[0] != 3 or keep.shape != positions.shape[1:]:
-        raise ValueError(f"positions must be [3, B, L] and keep [B, L], got {positions.shape} and {keep.shape}")
+        raise ValueError(f"positions must be [3, B, L] and keep [B, L], got {positions.shape} and "
+                         f"{keep.shape}")
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     batch, length = keep.shape
-    real = np.ones((batch, length), bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
+    real = np.ones((batch, length), bool) if attention_mask is None else np.asarray(attention_mask) != 0
     rows = [np.flatnonzero(keep[b] & real[b]) for b in range(batch)]
     width = max((r.size for r in rows), default=0)
     index = np.zeros((batch, width), np.int64)
@@ -141,7 +143,8 @@ def compute_mrope_for_media(grid_thw, spatial_merge_size: int, tokens_per_second
     t, h, w = (int(x) for x in np.asarray(grid_thw).reshape(-1))
     r, c = h // spatial_merge_size, w // spatial_merge_size
     tt, rr, cc = np.meshgrid(np.arange(t), np.arange(r), np.arange(c), indexing="ij")
-    t_pos = np.trunc(tt.reshape(-1) * float(tokens_per_second) * float(video_second_per_grid)).astype(np.int64)
+    t_pos = np.trunc(tt.reshape(-1) * float(tokens_per_second) * float(video_second_per_grid))
+    t_pos = t_pos.astype(np.int64)
     return np.stack([t_pos, rr.reshape(-1), cc.reshape(-1), np.full(t * r * c, c)], axis=1).astype(np.int64)
 
 
@@ -171,17 +174,26 @@ def video_block_metadata(timestamp_lengths: Sequence[int], rows: int, cols: int,
     mask = np.asarray(mask, dtype=bool).reshape(-1)
     frames = len(timestamp_lengths)
     if mask.size != frames * tpf:
-        raise ValueError(f"mask has {mask.size} entries, {frames} frames of {rows}x{cols} need {frames * tpf}")
+        raise ValueError(f"mask has {mask.size} entries; {frames} frames of {rows}x{cols} need "
+                         f"{frames * tpf}")
     kinds = _unpruned_video_layout(timestamp_lengths, tpf)
     types = np.where(kinds == 2, VIDEO, TEXT)[None]
-    pos, _ = get_rope_index(np.zeros_like(types), types, video_grid_thw=[[frames, rows, cols]], spatial_merge_size=1)
+    pos, _ = get_rope_index(np.zeros_like(types), types, video_grid_thw=[[frames, rows, cols]],
+                            spatial_merge_size=1)
     keep = np.ones(kinds.size, bool)
     keep[kinds == 2] = mask
     kinds = kinds[keep]
     return np.concatenate([pos[:, 0, keep], (kinds == 1)[None], (kinds == 2)[None]]).astype(np.int64)
 
 
-def lumped_initial_positions(mm_token_type_ids, image_grid_thw=None, video_grid_thw=None, spatial_merge_size: int = 2,
+def _grids(grid_thw) -> list[tuple[int, int, int]]:
+    if grid_thw is None:
+        return []
+    return [tuple(int(x) for x in g) for g in np.asarray(grid_thw).reshape(-1, 3)]
+
+
+def lumped_initial_positions(mm_token_type_ids, image_grid_thw=None, video_grid_thw=None,
+                             spatial_merge_size: int = 2,
                              video_token_counts: Sequence[int] | None = None) -> tuple[np.ndarray, int]:
     """vLLM's initial positions `[3, L']` of one prompt row (§5.2) and its delta `max + 1 - L`.
 
@@ -193,9 +205,11 @@ def lumped_initial_positions(mm_token_type_ids, image_grid_thw=None, video_grid_
     """
     types = np.asarray(mm_token_type_ids).reshape(-1)
     m = int(spatial_merge_size)
-    images = [] if image_grid_thw is None else [tuple(int(x) for x in g) for g in np.asarray(image_grid_thw).reshape(-1, 3)]
-    videos = [] if video_grid_thw is None else [tuple(int(x) for x in g) for g in np.asarray(video_grid_thw).reshape(-1, 3)]
-    counts = [t * (h // m) * (w // m) for t, h, w in videos] if video_token_counts is None else list(video_token_counts)
+    images = _grids(image_grid_thw)
+    videos = _grids(video_grid_thw)
+    counts = [t * (h // m) * (w // m) for t, h, w in videos]
+    if video_token_counts is not None:
+        counts = [int(k) for k in video_token_counts]
     pieces, nxt = [], 0
     img_i, vid_i, vid_used = 0, 0, 0
 
