@@ -354,6 +354,18 @@ def test_video_sampling_options(hf, ours):
         assert_same_text(a, b)
         np.testing.assert_array_equal(a["video_grid_thw"], b["video_grid_thw"])
         assert b["video_timestamps"] == hf_timestamps(hf, a), kw
+    # HF's optional per-frame pixel cap (qwen-vl-utils' budget rule)
+    long_video = rand_video(40, 120, 160, seed=3)
+    long_meta = [{"fps": 4.0, "total_num_frames": 40}]
+    grids = {}
+    for cap in (True, False):  # this budget's per-frame floor (1.05 * shortest_edge) binds with the cap
+        kw = {"cap_pixels_per_frame": cap, "size": {"shortest_edge": 96 * 96, "longest_edge": 64 * 64 * 20}}
+        a = hf(text=text, videos=[long_video], video_metadata=long_meta, return_tensors="np", **kw)
+        b = ours(text=text, videos=[long_video], video_metadata=long_meta, return_tensors="np", **kw)
+        assert_same_text(a, b)
+        np.testing.assert_array_equal(a["video_grid_thw"], b["video_grid_thw"])
+        grids[cap] = b["video_grid_thw"].tolist()
+    assert grids[True] != grids[False]
     # pre-sampled frames with their source indices and fps (no sampling): timestamps from the indices
     meta_pre = [{"fps": 25.0, "total_num_frames": 500, "frames_indices": [0, 50, 100, 150, 200, 250, 300]}]
     clip = video[:7]
