@@ -1,0 +1,321 @@
+"""GPU benchmark and on-device correctness check of the Pallas kernels (needs a CUDA GPU).
+
+    python scripts/bench_gpu.py [--iters 20] [--quick] [--no-sweep] [--json out.json]
+    python scripts/bench_gpu.py --cpu-smoke   # tiny shapes, interpret mode: checks this script only
+
+For the 2B (vision: 16 heads x 64) and 8B (vision: 16 heads x 72, padded to 128 in the kernel)
+shapes, and the LLM (head_dim 128, 16 or 32 query heads, 8 kv heads), in bf16:
+
+- varlen vision attention: images of 448^2, 896^2, 1792^2 (patch 16: 784 / 3136 / 12544 tokens),
+  an 8-frame 448^2 video (4 temporal slices of 784 tokens, one segment each) and the three images
+  packed in one call. Pallas vs the model's XLA path vs `jax.nn.dot_product_attention(
+  implementation="cudnn")` on the padded batch `[segments, max_len, H, D]` with sequence lengths.
+- causal prefill, 4096 tokens: Pallas vs XLA (dense masked spec) vs cuDNN (`is_causal=True`).
+- decode against an 8192-slot cache (batch 1 and 8): Pallas split-K vs XLA vs cuDNN (if it runs).
+- position-embedding interpolation for the image sizes: Pallas vs XLA.
+
+Each Pallas result is first checked against the XLA spec on the GPU (bf16 tolerance) and its
+compiled HLO must contain the Triton custom call (no silent fallback). Prints, per row: time,
+TFLOP/s (attention; for Pallas also at the padded head_dim, "kernel TFLOP/s"), GB/s
+(interpolation output, decode K/V read), and the targets of notes/pallas-gpu.md:
+varlen >= 250 kernel TFLOP/s and >= 70% of cuDNN's speed; decode >= 70% of HBM bandwidth;
+interpolation <= 2x the time to write its output. Exit status 1 on any correctness failure,
+2 when no GPU is present (unless `--cpu-smoke`, which shrinks every shape, runs the kernels in
+interpret mode, skips the Triton-presence check and measures nothing meaningful). Target misses
+are reported, not fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+
+import numpy as np
+
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
+TRITON = "__gpu$xla.gpu.triton"
+VISION = {"2B": (16, 64, 1024), "8B": (16, 72, 1152)}  # heads, head_dim, hidden
+LLM = {"2B": (16, 8), "8B": (32, 8)}  # query heads, kv heads (head_dim 128)
+IMAGES = {  # name -> segment lengths (tokens per temporal slice)
+    "448^2": [784],
+    "896^2": [3136],
+    "1792^2": [12544],
+    "video 8f 448^2": [784] * 4,
+    "packed 448+896+1792": [784, 3136, 12544],
+}
+GRIDS = {"448^2": [(1, 28, 28)], "896^2": [(1, 56, 56)], "1792^2": [(1, 112, 112)], "video 8f 448^2": [(4, 28, 28)]}
+
+
+SMOKE = dict(  # --cpu-smoke: the same code paths on shapes the CPU interpreter runs in seconds
+    VISION={"2B": (2, 64, 64), "8B": (2, 72, 48)},
+    LLM={"2B": (4, 2), "8B": (8, 2)},
+    IMAGES={"448^2": [48], "1792^2": [150], "video 8f 448^2": [16] * 4, "packed 448+896+1792": [16, 40, 90]},
+    GRIDS={"448^2": [(1, 4, 6)], "1792^2": [(1, 8, 12)], "video 8f 448^2": [(4, 2, 2)]},
+    PREFILL=128, CACHE=256, SWEEP=[(16, 16), (32, 16)], ITERS=1,
+)
+
+
+def _fail_without_gpu(jax, smoke: bool):
+    backend = jax.default_backend()
+    if backend != "gpu" and not smoke:
+        sys.stderr.write(
+            f"bench_gpu.py: no GPU backend (jax.default_backend() = {backend!r}, devices {jax.devices()}).\n"
+            "This script measures the compiled Triton kernels and must run on a CUDA GPU; it does not\n"
+            "fall back to CPU or interpret mode. CPU checks live in tests/test_kernels*.py.\n"
+        )
+        sys.exit(2)
+
+
+def _time(fn, args, iters: int) -> float:
+    """Median seconds per call over 3 rounds of `iters` back-to-back calls (after 2 warm-ups)."""
+    import jax
+
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    rounds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        rounds.append((time.perf_counter() - start) / iters)
+    return statistics.median(rounds)
+
+
+class Report:
+    def __init__(self):
+        self.rows, self.failures, self.targets = [], [], []
+
+    def row(self, op, case, impl, seconds, tflops=None, kernel_tflops=None, gbps=None, note=""):
+        self.rows.append(dict(op=op, case=case, impl=impl, ms=None if seconds is None else seconds * 1e3,
+                              tflops=tflops, kernel_tflops=kernel_tflops, gbps=gbps, note=note))
+        fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+        print(f"{op:9s} {case:28s} {impl:7s} {fmt(seconds and seconds * 1e3, '9.3f')} ms  "
+              f"{fmt(tflops, '7.1f')} TFLOP/s  {fmt(kernel_tflops, '7.1f')} kTFLOP/s  {fmt(gbps, '8.1f')} GB/s  {note}",
+              flush=True)
+
+    def check(self, what, ours, ref, tol):
+        a = np.asarray(ours, np.float32)
+        b = np.asarray(ref, np.float32)
+        err = float(np.abs(a - b).max()) if a.size else 0.0
+        ok = a.shape == b.shape and np.all(np.isfinite(a)) and np.allclose(a, b, atol=tol, rtol=tol)
+        if not ok:
+            self.failures.append(f"{what}: max|err| {err:.3g} (tol {tol})")
+            print(f"CORRECTNESS FAILURE {what}: max|err| {err:.3g}", flush=True)
+        return err
+
+    def target(self, what, ok, detail):
+        self.targets.append(dict(what=what, ok=bool(ok), detail=detail))
+
+
+def _assert_triton(jax, fn, args, what, report):
+    if jax.default_backend() != "gpu":  # --cpu-smoke: interpret mode has no Triton call
+        return
+    text = jax.jit(fn).lower(*args).as_text()
+    if TRITON not in text:
+        report.failures.append(f"{what}: compiled HLO has no Triton custom call (silent fallback?)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="2B shapes and the 448/1792 images only")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the block-size sweep")
+    parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    _fail_without_gpu(jax, args.cpu_smoke)
+    vision, llm, image_cases, grids = VISION, LLM, IMAGES, GRIDS
+    prefill, cache, sweep = 4096, 8192, [(64, 64), (128, 64), (64, 128), (128, 128)]
+    if args.cpu_smoke:
+        vision, llm, image_cases, grids = SMOKE["VISION"], SMOKE["LLM"], SMOKE["IMAGES"], SMOKE["GRIDS"]
+        prefill, cache, sweep, args.iters = SMOKE["PREFILL"], SMOKE["CACHE"], SMOKE["SWEEP"], SMOKE["ITERS"]
+    warnings.filterwarnings("ignore", category=DeprecationWarning)  # the Triton backend warns on jax >= 0.11
+    from pallas_kernels.attention import api as attn
+    from pallas_kernels.attention import reference as attn_ref
+    from pallas_kernels.pos_embed import api as pos
+    from pallas_kernels.pos_embed import reference as pos_ref
+
+    kind = jax.devices()[0].device_kind
+    hbm = next((v for k, v in HBM_BYTES_PER_S.items() if k in kind), 4.8e12)
+    print(f"jax {jax.__version__} on {kind} ({jax.device_count()} device(s)); HBM peak used: {hbm / 1e12:.2f} TB/s\n")
+    report = Report()
+    rng = np.random.default_rng(0)
+    models = ["2B"] if args.quick else list(vision)
+    images = ["448^2", "1792^2"] if args.quick else list(image_cases)
+    bf16 = jnp.bfloat16
+
+    def normal(shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32), bf16)
+
+    # ------------------------------------------------------------------ varlen vision attention
+    for model in models:
+        heads, dim, _ = vision[model]
+        padded = max(16, 1 << (dim - 1).bit_length())
+        for image in images:
+            lengths = image_cases[image]
+            tokens = sum(lengths)
+            seg = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths).astype(np.int32))
+            q, k, v = (normal((tokens, heads, dim)) for _ in range(3))
+            flops = 4 * heads * dim * sum(n * n for n in lengths)
+            case = f"{model} {image}"
+            f_pallas = jax.jit(lambda q, k, v, s: attn.varlen_attention(q, k, v, s, implementation="pallas"))
+            f_xla = jax.jit(lambda q, k, v, s: attn.varlen_attention(q, k, v, s, implementation="xla"))
+            _assert_triton(jax, f_pallas, (q, k, v, seg), f"varlen {case}", report)
+            err = report.check(f"varlen {case}", f_pallas(q, k, v, seg), f_xla(q, k, v, seg), 2e-2)
+            t_p = _time(f_pallas, (q, k, v, seg), args.iters)
+            report.row("varlen", case, "pallas", t_p, flops / t_p / 1e12, flops * padded / dim / t_p / 1e12,
+                       note=f"max|err| {err:.2g}")
+            t_x = _time(f_xla, (q, k, v, seg), max(3, args.iters // 4))
+            report.row("varlen", case, "xla", t_x, flops / t_x / 1e12)
+            # cuDNN on the padded batch [segments, max_len, H, D]
+            longest = max(lengths)
+            batch = jnp.zeros((len(lengths), longest, heads, dim), bf16)
+            qb, kb, vb = batch, batch, batch
+            start = 0
+            for i, n in enumerate(lengths):
+                qb, kb, vb = (x.at[i, :n].set(y[start:start + n]) for x, y in ((qb, q), (kb, k), (vb, v)))
+                start += n
+            lens = jnp.asarray(lengths, jnp.int32)
+            if len(lengths) == 1:
+                f_cudnn = jax.jit(lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
+            else:
+                f_cudnn = jax.jit(lambda q, k, v, n: jax.nn.dot_product_attention(
+                    q, k, v, query_seq_lengths=n, key_value_seq_lengths=n, implementation="cudnn"))
+            try:
+                t_c = _time(f_cudnn, (qb, kb, vb, lens), args.iters)
+                report.row("varlen", case, "cudnn", t_c, flops / t_c / 1e12)
+                report.target(f"varlen {case} >= 70% of cuDNN speed", t_p <= t_c / 0.7,
+                              f"pallas {t_p * 1e3:.3f} ms vs cuDNN {t_c * 1e3:.3f} ms ({t_c / t_p:.0%})")
+            except Exception as e:  # cuDNN is the yardstick, not ours: report and go on
+                report.row("varlen", case, "cudnn", None, note=f"unavailable: {type(e).__name__}: {str(e)[:80]}")
+            if tokens >= 2048:
+                kt = flops * padded / dim / t_p / 1e12
+                report.target(f"varlen {case} >= 250 kernel TFLOP/s", kt >= 250, f"{kt:.0f} TFLOP/s at D={padded}")
+
+    # ------------------------------------------------------------------ block-size sweep
+    if not args.no_sweep:
+        for model in models:
+            heads, dim, _ = vision[model]
+            lengths = image_cases["1792^2"]
+            tokens = sum(lengths)
+            seg = jnp.zeros((tokens,), jnp.int32)
+            q, k, v = (normal((tokens, heads, dim)) for _ in range(3))
+            flops = 4 * heads * dim * tokens * tokens
+            for bq, bk in sweep:
+                f = jax.jit(lambda q, k, v, s, bq=bq, bk=bk: attn.varlen_attention(
+                    q, k, v, s, implementation="pallas", block_q=bq, block_k=bk))
+                try:
+                    t = _time(f, (q, k, v, seg), args.iters)
+                    report.row("sweep", f"{model} 1792^2 ({tokens} tok) bq{bq} bk{bk}", "pallas", t, flops / t / 1e12)
+                except Exception as e:  # e.g. shared memory exhausted at this block size: report it
+                    report.row("sweep", f"{model} 1792^2 ({tokens} tok) bq{bq} bk{bk}", "pallas", None,
+                               note=f"failed: {type(e).__name__}: {str(e)[:80]}")
+
+    # ------------------------------------------------------------------ causal prefill 4k
+    for model in models:
+        heads, kv_heads = llm[model]
+        size = prefill
+        q = normal((1, size, heads, 128))
+        k, v = (normal((1, size, kv_heads, 128)) for _ in range(2))
+        n = jnp.array([size], jnp.int32)
+        flops = 2 * heads * size * size * 128  # causal: half of 4 * S^2 * D per head
+        case = f"{model} {size} hq{heads} hkv{kv_heads}"
+        f_pallas = jax.jit(lambda q, k, v, n: attn.causal_attention(q, k, v, n, implementation="pallas"))
+        f_xla = jax.jit(lambda q, k, v, n: attn.causal_attention(q, k, v, n, implementation="xla"))
+        _assert_triton(jax, f_pallas, (q, k, v, n), f"causal {case}", report)
+        err = report.check(f"causal {case}", f_pallas(q, k, v, n), f_xla(q, k, v, n), 2e-2)
+        t_p = _time(f_pallas, (q, k, v, n), args.iters)
+        report.row("prefill", case, "pallas", t_p, flops / t_p / 1e12, note=f"max|err| {err:.2g}")
+        t_x = _time(f_xla, (q, k, v, n), max(3, args.iters // 4))
+        report.row("prefill", case, "xla", t_x, flops / t_x / 1e12)
+        try:
+            f_c = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                        implementation="cudnn"))
+            t_c = _time(f_c, (q, k, v), args.iters)
+            report.row("prefill", case, "cudnn", t_c, flops / t_c / 1e12)
+        except Exception as e:
+            report.row("prefill", case, "cudnn", None, note=f"unavailable: {type(e).__name__}: {str(e)[:80]}")
+        report.target(f"prefill {case} >= 250 TFLOP/s", flops / t_p / 1e12 >= 250, f"{flops / t_p / 1e12:.0f} TFLOP/s")
+
+    # ------------------------------------------------------------------ decode, 8k cache
+    for model in models:
+        heads, kv_heads = llm[model]
+        for batch in (1, 8):
+            q = normal((batch, heads, 128))
+            kc, vc = (normal((batch, cache, kv_heads, 128)) for _ in range(2))
+            n = jnp.full((batch,), cache, jnp.int32)
+            kv_bytes = 2 * batch * cache * kv_heads * 128 * 2
+            case = f"{model} b{batch} cache {cache}"
+            f_pallas = jax.jit(lambda q, k, v, n: attn.decode_attention(q, k, v, n, implementation="pallas"))
+            f_xla = jax.jit(lambda q, k, v, n: attn.decode_attention(q, k, v, n, implementation="xla"))
+            _assert_triton(jax, f_pallas, (q, kc, vc, n), f"decode {case}", report)
+            err = report.check(f"decode {case}", f_pallas(q, kc, vc, n), f_xla(q, kc, vc, n), 2e-2)
+            t_p = _time(f_pallas, (q, kc, vc, n), args.iters * 5)
+            report.row("decode", case, "pallas", t_p, gbps=kv_bytes / t_p / 1e9, note=f"max|err| {err:.2g}")
+            t_x = _time(f_xla, (q, kc, vc, n), args.iters * 5)
+            report.row("decode", case, "xla", t_x, gbps=kv_bytes / t_x / 1e9)
+            try:
+                f_c = jax.jit(lambda q, k, v, n: jax.nn.dot_product_attention(
+                    q[:, None], k, v, query_seq_lengths=jnp.ones_like(n), key_value_seq_lengths=n,
+                    implementation="cudnn")[:, 0])
+                t_c = _time(f_c, (q, kc, vc, n), args.iters * 5)
+                report.row("decode", case, "cudnn", t_c, gbps=kv_bytes / t_c / 1e9)
+            except Exception as e:
+                report.row("decode", case, "cudnn", None, note=f"unavailable: {type(e).__name__}: {str(e)[:80]}")
+            frac = kv_bytes / t_p / hbm
+            report.target(f"decode {case} >= 70% HBM", frac >= 0.7,
+                          f"{frac:.0%} of {hbm / 1e12:.1f} TB/s")
+            for splits in (8, 32):
+                f = jax.jit(lambda q, k, v, n, s=splits: attn.decode_attention(q, k, v, n, implementation="pallas",
+                                                                               num_splits=s))
+                t = _time(f, (q, kc, vc, n), args.iters * 5)
+                report.row("decode", case + f" splits{splits}", "pallas", t, gbps=kv_bytes / t / 1e9)
+
+    # ------------------------------------------------------------------ position-embedding interpolation
+    for model in models:
+        hidden = vision[model][2]
+        table = normal((2304, hidden))
+        for image, grid in grids.items():
+            if args.quick and image not in images:
+                continue
+            idx, wgt = pos_ref.interpolation_taps(grid, 48, 2)
+            idx, wgt = jnp.asarray(idx), jnp.asarray(wgt)
+            out_bytes = idx.shape[0] * hidden * 4  # float32 output
+            case = f"{model} {image} ({idx.shape[0]} tok)"
+            f_pallas = jax.jit(lambda t, i, w: pos.interpolate_pos_embed(t, i, w, implementation="pallas"))
+            f_xla = jax.jit(lambda t, i, w: pos.interpolate_pos_embed(t, i, w, implementation="xla"))
+            _assert_triton(jax, f_pallas, (table, idx, wgt), f"pos_embed {case}", report)
+            err = report.check(f"pos_embed {case}", f_pallas(table, idx, wgt), f_xla(table, idx, wgt), 1e-5)
+            t_p = _time(f_pallas, (table, idx, wgt), args.iters * 5)
+            report.row("pos_embed", case, "pallas", t_p, gbps=out_bytes / t_p / 1e9, note=f"max|err| {err:.2g}")
+            t_x = _time(f_xla, (table, idx, wgt), args.iters * 5)
+            report.row("pos_embed", case, "xla", t_x, gbps=out_bytes / t_x / 1e9)
+            floor = out_bytes / hbm
+            report.target(f"pos_embed {case} <= 2x output write", t_p <= 2 * floor,
+                          f"pallas {t_p * 1e6:.1f} us, xla {t_x * 1e6:.1f} us, write floor {floor * 1e6:.1f} us")
+
+    print("\nTargets:")
+    for t in report.targets:
+        print(f"  [{'met ' if t['ok'] else 'MISS'}] {t['what']}: {t['detail']}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(device=kind, jax=jax.__version__, rows=report.rows, targets=report.targets,
+                           failures=report.failures), fh, indent=1)
+    if report.failures:
+        print("\nFAILURES:\n  " + "\n  ".join(report.failures))
+        return 1
+    print("\nAll on-device correctness checks passed.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
