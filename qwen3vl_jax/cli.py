@@ -1,14 +1,17 @@
-"""Command line: `qwen3vl-jax {demo, convert}`.
+"""Command line: `qwen3vl-jax {demo, generate, convert}`.
+
+`qwen3vl-jax demo` with no arguments uses the built-in tiny default: a tiny HF-format checkpoint
+synthesized into a cache directory (`$QWEN3VL_JAX_CACHE`, default `~/.cache/qwen3vl-jax`) and
+converted to Orbax on first use. It runs an image prompt and a generated-video prompt end to end
+and prints the generated text, token counts and per-stage timings (preprocess, vision encode,
+prefill, decode tokens/s), cold (with compilation) and warm. `--model DIR` runs a real checkpoint.
+
+`qwen3vl-jax generate --prompt ... [--image F] [--video F]` answers one prompt, streaming tokens.
 
 `qwen3vl-jax convert HF_DIR OUT_DIR [--dtype bfloat16]` reads an HF checkpoint (one safetensors
 shard at a time, strictly checked) and writes an Orbax checkpoint plus the tokenizer / processor
 files, which `Qwen3VL.from_pretrained(OUT_DIR)` and the processor read. `--to hf` exports
 safetensors instead (e.g. after editing weights).
-
-`qwen3vl-jax demo` with no arguments synthesizes the built-in tiny checkpoint into a cache
-directory (`$QWEN3VL_JAX_CACHE`, default `~/.cache/qwen3vl-jax`), preprocesses a generated image
-and a generated video, runs the vision tower and the whole model, and prints shapes, the most
-likely next tokens and per-stage timings. `--model DIR` runs a real HF checkpoint instead.
 """
 
 from __future__ import annotations
@@ -28,13 +31,19 @@ def default_cache_dir() -> str:
 
 
 def ensure_tiny_checkpoint(cache_dir: str | None = None) -> str:
-    """The built-in tiny default, synthesized on first use."""
+    """The built-in tiny default as an Orbax directory, synthesized and converted on first use."""
+    from .convert import copy_side_files
+    from .model import Qwen3VL
     from .testing import make_tiny_checkpoint
 
-    path = os.path.join(cache_dir or default_cache_dir(), TINY_NAME)
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        make_tiny_checkpoint(path + ".partial")
-        os.replace(path + ".partial", path)
+    root = cache_dir or default_cache_dir()
+    path = os.path.join(root, TINY_NAME)
+    if not os.path.isdir(os.path.join(path, "orbax")):
+        hf_dir = make_tiny_checkpoint(os.path.join(root, TINY_NAME + "-hf"))
+        partial = path + ".partial"
+        Qwen3VL.from_pretrained(hf_dir).save_orbax(partial)
+        copy_side_files(hf_dir, partial)
+        os.replace(partial, path)
     return path
 
 
@@ -49,7 +58,7 @@ def demo_image(height: int = 224, width: int = 320, seed: int = 0) -> np.ndarray
     return image
 
 
-def demo_video(frames: int = 8, height: int = 128, width: int = 160, seed: int = 0) -> np.ndarray:
+def demo_video(frames: int = 32, height: int = 128, width: int = 160, seed: int = 0) -> np.ndarray:
     """A generated video `(T, H, W, 3)`: a static background with a square moving across it."""
     background = demo_image(height, width, seed)
     video = np.repeat(background[None], frames, axis=0)
@@ -59,63 +68,95 @@ def demo_video(frames: int = 8, height: int = 128, width: int = 160, seed: int =
     return video
 
 
-class _Timer:
-    def __init__(self):
-        self.rows: list[tuple[str, float]] = []
-
-    def __call__(self, name, fn, *args, **kwargs):
-        import jax
-
-        start = time.perf_counter()
-        out = jax.block_until_ready(fn(*args, **kwargs))
-        self.rows.append((name, time.perf_counter() - start))
-        return out
-
-
-def run_demo(args) -> None:
-    import jax
+def _load(args):
     import jax.numpy as jnp
 
-    from .model import Qwen3VL, count_params
+    from .model import Qwen3VL
     from .processing import Qwen3VLProcessor
 
     path = args.model or ensure_tiny_checkpoint()
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
-    timer = _Timer()
-    print(f"checkpoint: {path}{'' if args.model else ' (built-in tiny default)'}")
-    print(f"jax {jax.__version__} on {jax.default_backend()}")
-    model = timer("load", Qwen3VL.from_pretrained, path, dtype=dtype)
-    processor = Qwen3VLProcessor.from_pretrained(path)
-    print(f"parameters: {count_params(model):,} ({args.dtype})")
+    start = time.perf_counter()
+    model = Qwen3VL.from_pretrained(path, dtype=dtype)
+    return path, model, Qwen3VLProcessor.from_pretrained(path), time.perf_counter() - start
 
+
+def _request(processor, prompt: str, image=None, video=None):
+    """Processor inputs for one user turn with an optional image or video (array or file path)."""
+    content, kwargs = [], {}
+    if image is not None:
+        content.append({"type": "image"})
+        kwargs["images"] = [image]
+    if video is not None:
+        content.append({"type": "video"})
+        kwargs["videos"] = [video]
+        if not isinstance(video, (str, os.PathLike)):
+            kwargs["video_metadata"] = [{"fps": 8.0, "total_num_frames": len(video)}]
+    content.append({"type": "text", "text": prompt})
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    return processor(text=[text], return_tensors="np", **kwargs)
+
+
+def _generate(model, inputs, args, timings=None, callback=None):
+    import jax
+
+    keys = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw",
+            "pixel_values_videos", "video_grid_thw")
+    sample = args.temperature > 0
+    return model.generate(**{k: inputs[k] for k in keys if k in inputs}, max_new_tokens=args.max_new_tokens,
+                          do_sample=sample, temperature=args.temperature if sample else 1.0,
+                          rng=jax.random.key(args.seed), timings=timings, callback=callback)
+
+
+def run_demo(args) -> None:
+    import jax
+
+    from .model import count_params
+
+    path, model, processor, load_s = _load(args)
+    print(f"checkpoint: {path}{'' if args.model else ' (built-in tiny default)'}")
+    print(f"jax {jax.__version__} on {jax.default_backend()}; {count_params(model):,} parameters ({args.dtype}); "
+          f"loaded in {load_s:.2f} s")
+    video = demo_video() if args.video is None else args.video
     image = demo_image() if args.image is None else args.image
-    video = demo_video()
-    requests = {
-        "image": dict(content=[{"type": "image"}, {"type": "text", "text": args.prompt}], images=[image]),
-        "video": dict(content=[{"type": "video"}, {"type": "text", "text": args.prompt}], videos=[video],
-                      video_metadata=[{"fps": 4.0, "total_num_frames": len(video)}]),
-    }
-    for name, req in requests.items():
-        text = processor.apply_chat_template([{"role": "user", "content": req.pop("content")}],
-                                             add_generation_prompt=True)
-        inputs = timer(f"{name}: preprocess", processor, text=[text], return_tensors="np", **req)
-        pixels, grid = (("pixel_values", "image_grid_thw") if name == "image"
-                        else ("pixel_values_videos", "video_grid_thw"))
-        for label in ("vision encode (compile + run)", "vision encode"):
-            merged, deepstack = timer(f"{name}: {label}", model.encode_vision, inputs[pixels], inputs[grid])
-        model_inputs = {k: v for k, v in inputs.items() if k in (
-            "input_ids", "attention_mask", "mm_token_type_ids", pixels, grid)}
-        for label in ("forward (compile + run)", "forward"):
-            logits = timer(f"{name}: {label}", model, **model_inputs)
-        top = np.argsort(-np.asarray(logits[0, -1], np.float32))[:5]
-        print(f"\n[{name}] grid_thw {inputs[grid].tolist()}, patches {inputs[pixels].shape}, "
-              f"prompt tokens {inputs['input_ids'].shape[1]}")
-        print(f"  merged features {tuple(merged.shape)} {merged.dtype}, deepstack {tuple(deepstack.shape)}")
-        print(f"  logits {tuple(logits.shape)}; most likely next tokens: "
-              + ", ".join(repr(processor.decode([int(t)], skip_special_tokens=False)) for t in top))
-    print("\ntimings")
-    for name, seconds in timer.rows:
-        print(f"  {name:<42}{seconds * 1000:>10.1f} ms")
+    rows = []
+    for name, request in (("image", dict(image=image)), ("video", dict(video=video))):
+        start = time.perf_counter()
+        inputs = _request(processor, args.prompt, **request)
+        preprocess = time.perf_counter() - start
+        runs = []
+        for _ in range(2):  # cold (compiles) then warm
+            timings = {}
+            out = _generate(model, inputs, args, timings)
+            runs.append(timings)
+        prompt_len = inputs["input_ids"].shape[1]
+        new = out[0, prompt_len:]
+        grid_key = "image_grid_thw" if name == "image" else "video_grid_thw"
+        print(f"\n[{name}] grid_thw {inputs[grid_key].tolist()}, prompt {prompt_len} tokens, "
+              f"generated {len(new)} tokens")
+        print(f"  text: {processor.decode(new)!r}")
+        for label, t in (("cold", runs[0]), ("warm", runs[1])):
+            rows.append((f"{name} {label}", preprocess, t["prepare"], t["prefill"], t["decode"],
+                         max(t["new_tokens"] - 1, 0) / t["decode"] if t["decode"] > 0 else float("nan")))
+    print(f"\n{'stage timings':<14}{'preprocess ms':>15}{'vision+host ms':>16}{'prefill ms':>12}"
+          f"{'decode ms':>11}{'decode tok/s':>14}")
+    for name, pre, vis, prefill, decode, rate in rows:
+        print(f"{name:<14}{pre * 1e3:>15.1f}{vis * 1e3:>16.1f}{prefill * 1e3:>12.1f}{decode * 1e3:>11.1f}{rate:>14.1f}")
+    print("(cold runs include compilation; 'vision+host' is the vision encoder plus host bookkeeping)")
+
+
+def run_generate(args) -> None:
+    _, model, processor, _ = _load(args)
+    inputs = _request(processor, args.prompt, image=args.image, video=args.video)
+    prompt_len = inputs["input_ids"].shape[1]
+    streamed = []
+
+    def show(t, tokens):
+        streamed.append(int(tokens[0]))
+        print(processor.decode(streamed)[len(processor.decode(streamed[:-1])):], end="", flush=True)
+
+    out = _generate(model, inputs, args, callback=show)
+    print(f"\n[{prompt_len} prompt tokens, {out.shape[1] - prompt_len} generated]")
 
 
 def run_convert(args) -> None:
@@ -146,11 +187,20 @@ def run_convert(args) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="qwen3vl-jax", description="Qwen3-VL in JAX, Flax NNX and Pallas")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the model end to end (built-in tiny default unless --model)")
-    demo.add_argument("--model", help="an HF checkpoint directory (default: the built-in tiny one)")
-    demo.add_argument("--image", help="an image file (default: a generated image)")
-    demo.add_argument("--prompt", default="Describe what you see.")
-    demo.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    for name, help_text, prompt in (
+        ("demo", "image and video prompts end to end (built-in tiny default unless --model)",
+         "Describe what you see."),
+        ("generate", "answer one prompt, streaming the tokens", None),
+    ):
+        cmd = sub.add_parser(name, help=help_text)
+        cmd.add_argument("--model", help="an HF or converted checkpoint directory (default: the built-in tiny one)")
+        cmd.add_argument("--image", help="an image file" + (" (default: a generated image)" if name == "demo" else ""))
+        cmd.add_argument("--video", help="a video file" + (" (default: a generated video)" if name == "demo" else ""))
+        cmd.add_argument("--prompt", default=prompt, required=prompt is None)
+        cmd.add_argument("--max-new-tokens", type=int, default=32)
+        cmd.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples with --seed")
+        cmd.add_argument("--seed", type=int, default=0)
+        cmd.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     convert = sub.add_parser("convert", help="HF safetensors -> Orbax (or back to HF with --to hf)")
     convert.add_argument("source", help="an HF checkpoint directory, or one written by convert")
     convert.add_argument("out", help="output directory")
@@ -160,6 +210,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         run_demo(args)
+    elif args.command == "generate":
+        run_generate(args)
     elif args.command == "convert":
         run_convert(args)
     return 0

@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import json
 import os
+import time
 from typing import Callable, Sequence
 
 import jax
@@ -294,6 +295,7 @@ def generate(
     pad_token_id: int | None = None,
     callback: Callable[[int, np.ndarray], None] | None = None,
     min_bucket: int = MIN_BUCKET,
+    timings: dict | None = None,
 ) -> np.ndarray:
     """Generate up to `max_new_tokens` per row, as HF's `generate` returns them.
 
@@ -313,6 +315,8 @@ def generate(
       callback: called as `callback(t, tokens [B])` for each generated position t (streaming);
         finished rows carry the pad id.
       min_bucket: the smallest prompt bucket.
+      timings: if a dict, filled with wall seconds per stage (each stage synchronized):
+        "prepare" (host bookkeeping + vision encoder), "prefill", "decode", and "new_tokens".
     Returns:
       `[B, L + n]` int64 numpy: the prompt then n <= max_new_tokens generated tokens; n is shorter
       than max_new_tokens only when every row has hit an EOS id.
@@ -334,8 +338,10 @@ def generate(
     rng = jax.random.key(0) if rng is None else rng
     sampling = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
 
+    clock = _StageClock(timings)
     inputs = model.prepare_inputs(ids, mask, mm_token_type_ids, pixel_values, image_grid_thw,
                                   pixel_values_videos, video_grid_thw)
+    clock.lap("prepare", inputs)
     inputs = _generation_positions(inputs)
     start = np.asarray(inputs.positions[:, :, -1], np.int32) + 1  # [3, B]: HF's position_ids[..., -1:] + 1
     bucket = bucket_length(ids.shape[1], min_bucket)
@@ -348,6 +354,7 @@ def generate(
     tokens, _, cache = _prefill(graphdef, state, embeds, deepstack, inputs.positions, inputs.attention_mask,
                                 rng, *sampling, implementation=impl, slots=slots, do_sample=do_sample)
     key_mask = jnp.pad(inputs.attention_mask, ((0, 0), (0, slots - bucket)), constant_values=True)
+    clock.lap("prefill", tokens)
 
     batch = ids.shape[0]
     eos_arr = np.asarray(eos, np.int64)
@@ -368,7 +375,27 @@ def generate(
         if not unfinished.any():
             break
         fed = new
+    clock.lap("decode", None)  # the loop already synchronized on every step's tokens
+    if timings is not None:
+        timings["new_tokens"] = len(generated)
     return np.concatenate([ids.astype(np.int64), np.stack(generated, axis=1)], axis=1)
+
+
+class _StageClock:
+    """Wall time between synchronization points, recorded into an optional dict."""
+
+    def __init__(self, into: dict | None):
+        self.into = into
+        self.last = time.perf_counter()
+
+    def lap(self, name: str, result) -> None:
+        if self.into is None:
+            return
+        if result is not None:
+            jax.block_until_ready(result)
+        now = time.perf_counter()
+        self.into[name] = now - self.last
+        self.last = now
 
 
 def warmup(model, *, batch_size: int = 1, buckets: Sequence[int] = (32, 64, 128, 256, 512, 1024),

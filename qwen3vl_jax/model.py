@@ -23,6 +23,8 @@ from flax import nnx
 from .config import Qwen3VLConfig
 from .convert import is_orbax_dir, load_hf_params, restore_orbax, save_hf, save_orbax
 from .layers import Linear
+from .generate import GenerationConfig
+from .generate import generate as generate_tokens
 from .mrope import get_rope_index
 from .text import TextModel
 from .vision import VisionModel, VisionOutput, validate_vision_inputs, vision_metadata
@@ -103,7 +105,9 @@ class Qwen3VL(nnx.Module):
             config, pure = restore_orbax(path, target)
             graphdef, state = nnx.split(cls.abstract(config, **kwargs))
             nnx.replace_by_pure_dict(state, pure)
-            return nnx.merge(graphdef, state)
+            model = nnx.merge(graphdef, state)
+            model.generation_config = GenerationConfig.from_pretrained(path)
+            return model
         config = Qwen3VLConfig.from_hf_config(path)
         graphdef, state = nnx.split(cls.abstract(config, **kwargs))
         bar = None
@@ -117,7 +121,9 @@ class Qwen3VL(nnx.Module):
         finally:
             if bar is not None:
                 bar.close()
-        return nnx.merge(graphdef, _fill_state(state, params))
+        model = nnx.merge(graphdef, _fill_state(state, params))
+        model.generation_config = GenerationConfig.from_pretrained(path)  # EOS / pad ids for generate
+        return model
 
     def save_orbax(self, directory: str | os.PathLike) -> str:
         """Write the parameters and the config as an Orbax checkpoint under `directory/orbax`."""
@@ -260,9 +266,7 @@ class Qwen3VL(nnx.Module):
 
     def generate(self, *args, **kwargs):
         """Token ids `[B, L + new]` like HF's `generate`; see `qwen3vl_jax.generate.generate`."""
-        from .generate import generate
-
-        return generate(self, *args, **kwargs)
+        return generate_tokens(self, *args, **kwargs)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "implementation", "return_hidden_states"))

@@ -30,6 +30,16 @@ def test_demo_runs_on_the_tiny_default(tmp_path):
     out = subprocess.run([sys.executable, "-m", "qwen3vl_jax.cli", "demo"], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    for needle in ("built-in tiny default", "[image] grid_thw", "[video] grid_thw", "merged features",
-                   "logits", "vision encode"):
+    for needle in ("built-in tiny default", "[image] grid_thw", "[video] grid_thw", "generated 32 tokens",
+                   "decode tok/s", "image warm", "video warm"):
         assert needle in out.stdout
+    assert os.path.isdir(tmp_path / "tiny-v1" / "orbax")  # the default is converted to Orbax once
+
+
+def test_generate_command_streams_an_answer(tmp_path):
+    env = dict(os.environ, QWEN3VL_JAX_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "qwen3vl_jax.cli", "generate", "--prompt", "Hello", "--max-new-tokens",
+                          "8", "--temperature", "0.7", "--seed", "3"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "prompt tokens, 8 generated]" in out.stdout
