@@ -293,3 +293,17 @@ def test_references_agree_with_masked_attention():
     dec = attention_ref.decode_attention(q[:, 0], k, v, jnp.array([10, 4]), jnp.array([0, 3]))
     dmask = jnp.asarray(np.stack([np.arange(10) < 10, (np.arange(10) >= 3) & (np.arange(10) < 7)]))[:, None]
     np.testing.assert_allclose(dec, attention_ref.masked_attention(q[:, :1], k, v, dmask)[:, 0], atol=1e-6)
+
+
+def test_dot_precision_follows_the_matmul_precision_config():
+    with jax.default_matmul_precision("highest"):
+        assert attention_kernel.dot_precision(jnp.float32) == jax.lax.Precision.HIGHEST
+        assert attention_kernel.dot_precision(jnp.bfloat16) is None
+    with jax.default_matmul_precision("default"):
+        assert attention_kernel.dot_precision(jnp.float32) is None
+
+
+def test_empty_inputs():
+    q = jnp.zeros((0, 2, 16))
+    out = attention_api.varlen_attention(q, q, q, jnp.zeros((0,), jnp.int32), implementation="pallas")
+    assert out.shape == (0, 2, 16)

@@ -149,3 +149,20 @@ def test_lowering_check_catches_unpadded_head_dim(monkeypatch):
     bounds = _spec((1, 256), jnp.int32)
     with pytest.raises(Exception, match="power of 2"):
         _lower(lambda q, k, v, lo, hi: kernel.flash_attention(q, k, v, lo, hi, scale=0.1), qkv, qkv, qkv, bounds, bounds)
+
+
+@pytest.mark.parametrize("precision", ["highest", "default"])
+def test_float32_inputs_lower_with_ieee_or_tf32_dots(precision):
+    """float32 kernels follow jax_default_matmul_precision (IEEE for "highest", TF32 otherwise)."""
+    qkv = _spec((1024, 16, 72), jnp.float32)
+    with jax.default_matmul_precision(precision):
+        module = _lower(
+            lambda q, k, v, s: attention_api.varlen_attention(q, k, v, s, implementation="pallas"),
+            qkv, qkv, qkv, _spec((1024,), jnp.int32),
+        )
+        decode = _lower(
+            lambda q, k, v, n: attention_api.decode_attention(q, k, v, n, implementation="pallas"),
+            _spec((2, 32, 128), jnp.float32), _spec((2, 4096, 8, 128), jnp.float32),
+            _spec((2, 4096, 8, 128), jnp.float32), _spec((2,), jnp.int32),
+        )
+    assert _count_kernels(module, "flash_attention") >= 1 and _count_kernels(decode, "decode_attention") >= 1

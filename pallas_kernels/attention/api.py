@@ -41,7 +41,8 @@ def _flash(q, k, v, lo, hi, interpret, block_q, block_k):
     width = _kernel_dim(dim)
     out = kernel.flash_attention(
         _pad_dim(q, width), _pad_dim(k, width), _pad_dim(v, width), lo, hi,
-        scale=dim**-0.5, block_q=block_q, block_k=block_k, interpret=interpret,
+        scale=dim**-0.5, block_q=block_q, block_k=block_k, precision=kernel.dot_precision(q.dtype),
+        interpret=interpret,
     )
     return out[..., :dim]
 
@@ -56,7 +57,8 @@ def _decode(q, k_cache, v_cache, lo, hi, interpret, block_k, num_splits):
     width = _kernel_dim(dim)
     out = kernel.decode_attention(
         _pad_dim(q, width), _pad_dim(k_cache, width), _pad_dim(v_cache, width), lo, hi,
-        scale=dim**-0.5, block_k=block_k, num_splits=num_splits, interpret=interpret,
+        scale=dim**-0.5, block_k=block_k, num_splits=num_splits, precision=kernel.dot_precision(q.dtype),
+        interpret=interpret,
     )
     return out[..., :dim]
 

@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-__all__ = ["flash_attention", "decode_attention", "segment_intervals", "pow2_at_least"]
+__all__ = ["flash_attention", "decode_attention", "segment_intervals", "pow2_at_least", "dot_precision"]
 
 _MASKED = -1e30  # finite stand-in for -inf (no inf - inf = nan)
 _BIG = 2**30
@@ -42,6 +42,18 @@ _BIG = 2**30
 
 def pow2_at_least(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def dot_precision(dtype):
+    """Kernel dot precision for inputs of `dtype`, following `jax_default_matmul_precision` as XLA
+    does: float32 inputs get IEEE float32 dots when the default is "highest"/"float32", otherwise
+    the Triton default (TF32 on a GPU). The Triton lowering does not read the config itself."""
+    if jnp.dtype(dtype) != jnp.float32:
+        return None
+    default = jax.config.jax_default_matmul_precision
+    if default is not None and str(default).lower() in ("highest", "float32", "fp32"):
+        return lax.Precision.HIGHEST
+    return None
 
 
 def _check_dim(dim: int) -> None:
@@ -69,7 +81,7 @@ def segment_intervals(segment_ids: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarra
 # ---------------------------------------------------------------------------------- flash
 
 
-def _flash_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, *, block_k: int, scale: float):
+def _flash_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, *, block_k: int, scale: float, precision):
     # lo_ref, hi_ref: [BQ] int32 allowed key interval per query row.
     # q_ref, o_ref: [BQ, D]; k_ref, v_ref: [S, D] (the whole sequence of this kv head).
     q = q_ref[...]
@@ -87,7 +99,8 @@ def _flash_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, *, block_k: int, s
         keys = pl.ds(j * block_k, block_k)
         k = k_ref[keys, :]
         v = v_ref[keys, :]
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32) * scale
         kpos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
         mask = (kpos >= lo[:, None]) & (kpos < hi[:, None])
         s = jnp.where(mask, s, _MASKED)
@@ -95,7 +108,8 @@ def _flash_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, *, block_k: int, s
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l = l * alpha + jnp.sum(p, axis=1)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
         return m_new, l, acc * alpha[:, None] + pv
 
     init = (
@@ -108,10 +122,10 @@ def _flash_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, *, block_k: int, s
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "block_q", "block_k", "num_warps", "num_stages", "interpret")
+    jax.jit, static_argnames=("scale", "block_q", "block_k", "num_warps", "num_stages", "precision", "interpret")
 )
 def flash_attention(q, k, v, kv_lo, kv_hi, *, scale: float, block_q: int = 64, block_k: int = 64,
-                    num_warps: int | None = None, num_stages: int = 2, interpret: bool = False):
+                    num_warps: int | None = None, num_stages: int = 2, precision=None, interpret: bool = False):
     """Attention where query row `i` of batch `b` sees keys `kv_lo[b, i] <= s < kv_hi[b, i]`.
 
     Args:
@@ -119,6 +133,8 @@ def flash_attention(q, k, v, kv_lo, kv_hi, *, scale: float, block_q: int = 64, b
       kv_lo, kv_hi: `[B, L]` int32; an empty interval gives a zero output row.
       scale: softmax scale (1/sqrt of the *unpadded* head_dim).
       block_q, block_k: tile sizes (powers of two >= 16), capped at the padded lengths.
+      precision: for the two dots; `None` is TF32 for float32 inputs on a GPU, `HIGHEST` is IEEE
+        float32 (bf16 inputs are unaffected). See `dot_precision`.
     Returns:
       `[B, L, Hq, D]` in q's dtype.
     """
@@ -128,6 +144,8 @@ def flash_attention(q, k, v, kv_lo, kv_hi, *, scale: float, block_q: int = 64, b
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
     group = heads // kv_heads
+    if length == 0 or b == 0:
+        return jnp.zeros(q.shape, q.dtype)
     bq = min(block_q, pow2_at_least(max(length, 16)))
     bk = min(block_k, pow2_at_least(max(kv_len, 16)))
     lp = -(-length // bq) * bq
@@ -142,7 +160,7 @@ def flash_attention(q, k, v, kv_lo, kv_hi, *, scale: float, block_q: int = 64, b
     kv_hi = jnp.clip(kv_hi.astype(jnp.int32), 0, kv_len)
     warps = num_warps if num_warps is not None else (4 if dim <= 64 else 8)
     out = pl.pallas_call(
-        functools.partial(_flash_kernel, block_k=bk, scale=scale),
+        functools.partial(_flash_kernel, block_k=bk, scale=scale, precision=precision),
         grid=(b, heads, lp // bq),
         in_specs=[
             pl.BlockSpec((None, bq), lambda bi, h, i: (bi, i)),
@@ -164,7 +182,7 @@ def flash_attention(q, k, v, kv_lo, kv_hi, *, scale: float, block_q: int = 64, b
 
 
 def _decode_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_k: int, split: int,
-                   scale: float):
+                   scale: float, precision):
     # lo_ref, hi_ref: [R] the batch row's key interval (same value in every row).
     # q_ref: [R, D] the query heads of one kv head; k_ref, v_ref: [split, D] one cache slice.
     # o_ref: [R, D] unnormalised partial output; m_ref, l_ref: [R] running max and sum.
@@ -181,7 +199,8 @@ def _decode_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, 
         keys = pl.ds(j * block_k, block_k)
         k = k_ref[keys, :]
         v = v_ref[keys, :]
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32) * scale
         kpos = j * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
         mask = (kpos >= lo[:, None]) & (kpos < hi[:, None])
         s = jnp.where(mask, s, _MASKED)
@@ -189,7 +208,8 @@ def _decode_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, 
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l = l * alpha + jnp.sum(p, axis=1)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
         return m_new, l, acc * alpha[:, None] + pv
 
     init = (
@@ -204,10 +224,11 @@ def _decode_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, 
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "block_k", "num_splits", "num_warps", "num_stages", "interpret")
+    jax.jit, static_argnames=("scale", "block_k", "num_splits", "num_warps", "num_stages", "precision", "interpret")
 )
 def decode_attention(q, k_cache, v_cache, kv_lo, kv_hi, *, scale: float, block_k: int = 64,
-                     num_splits: int = 8, num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+                     num_splits: int = 8, num_warps: int = 4, num_stages: int = 2, precision=None,
+                     interpret: bool = False):
     """One query token per sequence against a cache, keys `kv_lo[b] <= s < kv_hi[b]`.
 
     Args:
@@ -224,6 +245,8 @@ def decode_attention(q, k_cache, v_cache, kv_lo, kv_hi, *, scale: float, block_k
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
     group = heads // kv_heads
+    if b == 0 or kv_len == 0:
+        return jnp.zeros(q.shape, q.dtype)
     rows = max(16, pow2_at_least(group))
     bk = min(block_k, pow2_at_least(max(kv_len, 16)))
     splits = max(1, min(num_splits, -(-kv_len // bk)))
@@ -237,7 +260,7 @@ def decode_attention(q, k_cache, v_cache, kv_lo, kv_hi, *, scale: float, block_k
     lo = jnp.broadcast_to(jnp.clip(kv_lo.astype(jnp.int32), 0, kv_len)[:, None], (b, rows))
     hi = jnp.broadcast_to(jnp.clip(kv_hi.astype(jnp.int32), 0, kv_len)[:, None], (b, rows))
     o, m, l = pl.pallas_call(
-        functools.partial(_decode_kernel, block_k=bk, split=split, scale=scale),
+        functools.partial(_decode_kernel, block_k=bk, split=split, scale=scale, precision=precision),
         grid=(b, kv_heads, splits),
         in_specs=[
             pl.BlockSpec((None, rows), lambda bi, g, s: (bi, 0)),
