@@ -33,8 +33,11 @@ import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
 TRITON = "__gpu$xla.gpu.triton"
@@ -140,7 +143,6 @@ def main(argv=None) -> int:
         prefill, cache, sweep, args.iters = SMOKE["PREFILL"], SMOKE["CACHE"], SMOKE["SWEEP"], SMOKE["ITERS"]
     warnings.filterwarnings("ignore", category=DeprecationWarning)  # the Triton backend warns on jax >= 0.11
     from pallas_kernels.attention import api as attn
-    from pallas_kernels.attention import reference as attn_ref
     from pallas_kernels.pos_embed import api as pos
     from pallas_kernels.pos_embed import reference as pos_ref
 
