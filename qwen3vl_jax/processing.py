@@ -354,8 +354,9 @@ def load_video(path: str | os.PathLike, sample_fn=None) -> tuple[np.ndarray, Vid
         raise ValueError(f"could not read video file {path}: {e}") from e
     finally:
         container.close()
-    if not frames:
-        raise ValueError(f"could not read video file {path}: no decodable frames")
+    if len(frames) != len(wanted):
+        raise ValueError(f"could not read video file {path}: it declares {total} frames but frame "
+                         f"{max(wanted)} could not be decoded (truncated file?)")
     metadata.frames_indices = [int(i) for i in indices]
     return np.stack(frames), metadata
 

@@ -463,6 +463,27 @@ def test_video_file_parity(hf, ours, tmp_path, n, fps):
     assert_resampling_noise(a["pixel_values_videos"], b["pixel_values_videos"], f"video file {n}@{fps}")
 
 
+def test_video_file_without_frame_count(ours, tmp_path):
+    """A Matroska file declares no frame count (HF's PyAV reader then sees 0 frames): we count by
+    decoding. A truncated file is refused with a clear error."""
+    path = tmp_path / "clip.mkv"
+    write_video(path, rand_video(11, 32, 48), 5, codec="ffv1")
+    with av.open(str(path)) as container:
+        assert container.streams.video[0].frames == 0
+        decoded = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+    frames, meta = load_video(path)
+    np.testing.assert_array_equal(frames, decoded)
+    assert (meta.total_num_frames, meta.fps) == (11, 5.0)
+    out = ours(text=VID, videos=[str(path)], return_metadata=True)
+    assert out["video_metadata"][0].frames_indices == np.linspace(0, 10, 4).round().astype(int).tolist()
+    full = tmp_path / "full.mp4"
+    write_video(full, rand_video(30, 48, 64), 10)
+    data = full.read_bytes()
+    (tmp_path / "cut.mp4").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="could not read video file"):
+        ours(text=VID, videos=[str(tmp_path / "cut.mp4")])
+
+
 # ----------------------------------------------------------------------------------------------
 # chat template
 
