@@ -116,3 +116,25 @@ def test_vision_tower_lowered_for_cuda_contains_the_triton_kernels(pallas_model)
     # one flash call per block (the blocks may share one outlined function) + the pos-embed kernel
     assert calls >= 2, f"{calls} Triton calls in the lowered tower"
     assert "flash_attention" in module and "interpolate_pos_embed" in module
+
+
+def test_language_model_lowered_for_cuda_contains_the_triton_kernels(pallas_model):
+    """The tiny LM's prefill (the model's causal + padding mask through `masked_attention`),
+    exported for CUDA, runs its attention in the Triton flash kernel. (The decode routing, L == 1
+    -> split-K kernel, is lowered in test_kernels_lowering.py and run by the generate test above.)"""
+    lm = pallas_model.language_model
+    graphdef, state = nnx.split(lm)
+    cfg = lm.config
+    b, length = 2, 24
+
+    def prefill(embeds, positions, mask):
+        model = nnx.merge(graphdef, state)
+        return model(embeds, positions, mask, implementation="pallas")
+
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    spec = jax.ShapeDtypeStruct
+    with _dispatch.lowering_for_gpu():
+        module = export.export(jax.jit(prefill), platforms=["cuda"], disabled_checks=checks)(
+            spec((b, length, cfg.hidden_size), jnp.float32), spec((3, b, length), jnp.int32),
+            spec((b, length, length), jnp.bool_)).mlir_module()
+    assert "flash_attention" in module and "stablehlo.custom_call @__gpu$xla.gpu.triton" in module
