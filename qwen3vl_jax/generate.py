@@ -296,6 +296,8 @@ def generate(
     callback: Callable[[int, np.ndarray], None] | None = None,
     min_bucket: int = MIN_BUCKET,
     timings: dict | None = None,
+    video_pruning: tuple[str, float] | None = None,
+    vision_encoder=None,
 ) -> np.ndarray:
     """Generate up to `max_new_tokens` per row, as HF's `generate` returns them.
 
@@ -315,6 +317,7 @@ def generate(
       callback: called as `callback(t, tokens [B])` for each generated position t (streaming);
         finished rows carry the pad id.
       min_bucket: the smallest prompt bucket.
+      video_pruning, vision_encoder: as `Qwen3VL.prepare_inputs` (pruned video prompts; a bucketed encoder).
       timings: if a dict, filled with wall seconds per stage (each stage synchronized):
         "prepare" (host bookkeeping + vision encoder), "prefill", "decode", and "new_tokens".
     Returns:
@@ -340,7 +343,8 @@ def generate(
 
     clock = _StageClock(timings)
     inputs = model.prepare_inputs(ids, mask, mm_token_type_ids, pixel_values, image_grid_thw,
-                                  pixel_values_videos, video_grid_thw)
+                                  pixel_values_videos, video_grid_thw, video_pruning=video_pruning,
+                                  vision_encoder=vision_encoder)
     clock.lap("prepare", inputs)
     inputs = _generation_positions(inputs)
     start = np.asarray(inputs.positions[:, :, -1], np.int32) + 1  # [3, B]: HF's position_ids[..., -1:] + 1

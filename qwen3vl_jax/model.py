@@ -25,6 +25,7 @@ from .convert import is_orbax_dir, load_hf_params, restore_orbax, save_hf, save_
 from .layers import Linear
 from .generate import GenerationConfig
 from .generate import generate as generate_tokens
+from . import pruning as pruning_lib
 from .mrope import get_rope_index
 from .text import TextModel
 from .vision import VisionModel, VisionOutput, validate_vision_inputs, vision_metadata
@@ -166,11 +167,22 @@ class Qwen3VL(nnx.Module):
         image_grid_thw=None,
         pixel_values_videos=None,
         video_grid_thw=None,
+        *,
+        video_pruning: tuple[str, float] | None = None,
+        vision_encoder=None,
     ) -> MultimodalInputs:
         """Host bookkeeping + vision encoding: everything the language model needs, as arrays.
 
-        `mm_token_type_ids` defaults to 1 at image pads, 2 at video pads, 0 elsewhere (what the
-        processor emits). Raises ValueError when placeholders and visual inputs disagree.
+        Args:
+          input_ids ... video_grid_thw: processor outputs. `mm_token_type_ids` defaults to 1 at image
+            pads, 2 at video pads, 0 elsewhere (what the processor emits).
+          video_pruning: `(method, rate)` with method "evs" or "vidcom2" and rate in [0, 1) (0 = off).
+            The prompt must then be built by the processor with the same option (each video's K
+            retained tokens lumped into frame 0); the encoder output decides which tokens are kept,
+            and the sequence is rebuilt per frame with the kept tokens at their unpruned positions.
+          vision_encoder: a callable `(pixel_values, grid_thw) -> (merged, deepstack)` used instead of
+            `encode_vision`, e.g. `EncoderRunner(model).encode` for bucketed, precompiled encoding.
+        Raises ValueError when placeholders and visual inputs disagree.
         """
         cfg = self.config
         ids = np.asarray(input_ids)
@@ -181,39 +193,68 @@ class Qwen3VL(nnx.Module):
             raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
         if mm_token_type_ids is None:
             mm_token_type_ids = np.where(ids == cfg.image_token_id, 1, np.where(ids == cfg.video_token_id, 2, 0))
-        is_image = (ids == cfg.image_token_id) & mask
-        is_video = (ids == cfg.video_token_id) & mask
+        mm_token_type_ids = np.asarray(mm_token_type_ids)
+        pruning = pruning_lib.validate_video_pruning(*video_pruning) if video_pruning else None
+        merge = cfg.vision.spatial_merge_size
+        plans = []
+        if pruning is not None and video_grid_thw is not None:
+            for t, h, w in np.asarray(video_grid_thw).reshape(-1, 3):
+                tpf = int(h * w) // cfg.vision.merge_unit
+                plans.append(pruning_lib.prompt.VideoPlan(
+                    (int(t), int(h), int(w)), tpf, pruning_lib.retained_count(pruning[0], tpf, int(t), pruning[1])))
+
         groups = []  # (pixels, grid) per modality, images first
-        for name, placeholders, pixels, grid in (
-            ("image", is_image, pixel_values, image_grid_thw),
-            ("video", is_video, pixel_values_videos, video_grid_thw),
+        for name, token, pixels, grid in (
+            ("image", cfg.image_token_id, pixel_values, image_grid_thw),
+            ("video", cfg.video_token_id, pixel_values_videos, video_grid_thw),
         ):
             if (pixels is None) != (grid is None):
                 raise ValueError(f"pass both the {name} pixels and the {name} grid_thw, or neither")
-            expected = 0 if grid is None else int(np.asarray(grid).prod(axis=-1).sum()) // cfg.vision.merge_unit
-            if int(placeholders.sum()) != expected:
+            found = int(((ids == token) & mask).sum())
+            if grid is None:
+                expected = 0
+            elif name == "video" and plans:
+                expected = sum(p.keep for p in plans)
+            else:
+                expected = int(np.asarray(grid).prod(axis=-1).sum()) // cfg.vision.merge_unit
+            if found != expected:
                 raise ValueError(
-                    f"{name} placeholders and {name} features do not match: the prompt has "
-                    f"{int(placeholders.sum())} {name} tokens but the {name} inputs give {expected} merged tokens"
+                    f"{name} placeholders and {name} features do not match: the prompt has {found} {name} "
+                    f"tokens but the {name} inputs give {expected} merged tokens"
+                    + (f" after {pruning[0]} pruning at rate {pruning[1]}" if name == "video" and plans else "")
                 )
             if grid is not None:
                 groups.append((pixels, validate_vision_inputs(pixels, grid, cfg.vision)))
 
-        visual_index = np.full(ids.shape, -1, np.int32)
         features = deepstack = None
         if groups:
             pixels = np.concatenate([np.asarray(p, np.float32) for p, _ in groups])
             grid = np.concatenate([g for _, g in groups])
-            features, deepstack = self.encode_vision(pixels, grid)
-            n_image = int(is_image.sum())
-            visual_index[is_image] = np.arange(n_image)  # row-major over (batch, position), as HF scatters
-            visual_index[is_video] = n_image + np.arange(int(is_video.sum()))
-            positions, deltas = get_rope_index(ids, mm_token_type_ids, image_grid_thw, video_grid_thw, mask,
-                                               cfg.vision.spatial_merge_size)
+            features, deepstack = (vision_encoder or self.encode_vision)(pixels, grid)
+            if plans:
+                n_image = 0 if image_grid_thw is None else int(np.asarray(image_grid_thw).prod(-1).sum()) // (merge**2)
+                masks, rows = video_keep_masks(features[n_image:], deepstack[:, n_image:], plans, merge, pruning)
+                keep_rows = np.concatenate([np.arange(n_image), n_image + rows])
+                features, deepstack = features[keep_rows], deepstack[:, keep_rows]
+                pruned = pruning_lib.prompt.prune_prompt(
+                    ids, mask, mm_token_type_ids, image_grid_thw, plans, masks, spatial_merge_size=merge,
+                    vision_start_token_id=cfg.vision_start_token_id, vision_end_token_id=cfg.vision_end_token_id,
+                    video_token_id=cfg.video_token_id)
+                ids, positions, deltas = pruned.input_ids, pruned.positions, pruned.rope_deltas
+            else:
+                positions, deltas = get_rope_index(ids, mm_token_type_ids, image_grid_thw, video_grid_thw, mask,
+                                                   merge)
         else:
             # Text only: HF uses plain 0..L-1 on all three axes (padding included) and no delta.
             positions = np.broadcast_to(np.arange(ids.shape[1]), (3, *ids.shape))
             deltas = np.zeros((ids.shape[0], 1), np.int64)
+
+        visual_index = np.full(ids.shape, -1, np.int32)
+        is_image = (ids == cfg.image_token_id) & mask
+        is_video = (ids == cfg.video_token_id) & mask
+        n_image = int(is_image.sum())
+        visual_index[is_image] = np.arange(n_image)  # row-major over (batch, position), as HF scatters
+        visual_index[is_video] = n_image + np.arange(int(is_video.sum()))
         return MultimodalInputs(
             input_ids=jnp.asarray(ids, jnp.int32),
             attention_mask=jnp.asarray(mask),
@@ -235,14 +276,19 @@ class Qwen3VL(nnx.Module):
         video_grid_thw=None,
         *,
         return_hidden_states: bool = False,
+        video_pruning: tuple[str, float] | None = None,
+        vision_encoder=None,
     ):
         """Logits `[B, L, V]` with the meaning of HF's `Qwen3VLForConditionalGeneration(...).logits`.
+
+        `video_pruning` and `vision_encoder` as in `prepare_inputs`.
 
         With `return_hidden_states`, returns `(logits, per-layer hidden states)`: each decoder layer's
         output before its deepstack addition, as HF's `output_hidden_states` records them.
         """
         inputs = self.prepare_inputs(input_ids, attention_mask, mm_token_type_ids, pixel_values,
-                                     image_grid_thw, pixel_values_videos, video_grid_thw)
+                                     image_grid_thw, pixel_values_videos, video_grid_thw,
+                                     video_pruning=video_pruning, vision_encoder=vision_encoder)
         graphdef, state = nnx.split(self)
         return _run_language_model(graphdef, state, inputs, implementation=self.attention_implementation,
                                    return_hidden_states=return_hidden_states)
@@ -267,6 +313,24 @@ class Qwen3VL(nnx.Module):
     def generate(self, *args, **kwargs):
         """Token ids `[B, L + new]` like HF's `generate`; see `qwen3vl_jax.generate.generate`."""
         return generate_tokens(self, *args, **kwargs)
+
+
+def video_keep_masks(merged, deepstack, plans, spatial_merge_size: int, pruning: tuple[str, float]):
+    """Per-video retention masks over the videos' encoder rows, and the kept rows (concatenated order).
+
+    `merged [N, O]` / `deepstack [L, N, O]` hold the videos of `plans` back to back; each video is
+    scored on its full `[merged | deepstack...]` rows by the pruning method.
+    """
+    masks, kept, offset = [], [], 0
+    for plan in plans:
+        n = plan.grid_thw[0] * plan.tokens_per_frame
+        rows = pruning_lib.concat_levels(merged[offset:offset + n], deepstack[:, offset:offset + n])
+        keep = np.asarray(pruning_lib.retention_mask(pruning[0], rows, plan.grid_thw, spatial_merge_size,
+                                                     pruning[1]))
+        masks.append(keep)
+        kept.append(offset + np.flatnonzero(keep))
+        offset += n
+    return masks, (np.concatenate(kept) if kept else np.zeros((0,), np.int64))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "implementation", "return_hidden_states"))

@@ -1031,6 +1031,7 @@ class Qwen3VLProcessor:
         padding_side: str | None = None,
         return_metadata: bool = False,
         video_tokens_per_frame: Sequence[Sequence[int] | None] | None = None,
+        video_pruning: tuple[str, float] | None = None,
         images_kwargs: dict[str, Any] | None = None,
         videos_kwargs: dict[str, Any] | None = None,
         **kwargs,
@@ -1047,6 +1048,9 @@ class Qwen3VLProcessor:
           return_tensors: "np" for int64 / float32 arrays, "jax" for jax arrays, None for lists.
           padding: True / "longest" to pad a batch of prompts (with the pad token, on `padding_side`).
           video_tokens_per_frame: per video, None (the full count) or one token count per temporal patch.
+          video_pruning: `(method, rate)` ("evs" or "vidcom2", rate in [0, 1), 0 = off): size each video's
+            placeholder for the tokens the method keeps, all in frame 0 (vLLM's layout); the model, given
+            the same option, moves each kept token to its own frame after encoding.
           images_kwargs / videos_kwargs / other keywords: call-time settings; `size`, `min_pixels`,
             `max_pixels` (and other pixel settings) apply to both images and videos, `fps`,
             `num_frames`, `do_sample_frames`, `min_frames`, `max_frames` to videos.
@@ -1098,12 +1102,30 @@ class Qwen3VLProcessor:
             data["video_timestamps"] = out["video_timestamps"]
             if return_metadata:
                 data["video_metadata"] = out["video_metadata"]
+        if video_pruning is not None and video_list:
+            if video_tokens_per_frame is not None:
+                raise ValueError("pass video_pruning or video_tokens_per_frame, not both")
+            video_tokens_per_frame = self.pruned_tokens_per_frame(data["video_grid_thw"], video_pruning)
         if texts is not None:
             data.update(self.expand_and_tokenize(
                 texts, image_grid_thw=data.get("image_grid_thw"), video_grid_thw=data.get("video_grid_thw"),
                 video_timestamps=data.get("video_timestamps"), video_tokens_per_frame=video_tokens_per_frame,
                 padding=padding, padding_side=padding_side))
         return self._to_tensors(data, return_tensors)
+
+    def pruned_tokens_per_frame(self, video_grid_thw, video_pruning) -> list[list[int] | None]:
+        """Per video, `[K, 0, ..., 0]` under `video_pruning=(method, rate)`, or None (full) when off."""
+        from .pruning import retained_count, validate_video_pruning
+
+        spec = validate_video_pruning(*video_pruning)
+        if spec is None:
+            return [None] * len(video_grid_thw)
+        merge = self.video_processor.merge_size ** 2
+        counts = []
+        for t, h, w in video_grid_thw:
+            keep = retained_count(spec[0], int(h) * int(w) // merge, int(t), spec[1])
+            counts.append([keep] + [0] * (int(t) - 1))
+        return counts
 
     def expand_and_tokenize(self, text: str | Sequence[str], image_grid_thw=None, video_grid_thw=None,
                             video_timestamps=None, video_tokens_per_frame=None, padding: bool | str = False,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from types import ModuleType
 
-from . import evs, vidcom2
+from . import evs, prompt, vidcom2
 from ._common import concat_levels, frame_counts, merged_grid
 
 __all__ = [

@@ -1,0 +1,131 @@
+"""From a lumped prompt to the pruned per-frame sequence the language model reads.
+
+With pruning on, the processor sizes each video's placeholder for the K retained tokens and puts
+all of them in frame 0 (`<t0><VS>` K pads `<VE>` `<t1><VS><VE>` ...), as vLLM does, because the
+mask is only known after the encoder has run. Once it is known (K trues, `c_f` of them in frame
+f), `prune_prompt` rebuilds each row:
+
+1. the unpruned layout: every frame slot `<VS><VE>` refilled with all `R*C` video tokens;
+2. its standard mRoPE positions (`get_rope_index`);
+3. the pruned video tokens deleted (`positions.sequence_keep_mask`), so frame f keeps `c_f`
+   tokens in its own slot, between its own timestamp and markers, and every kept token keeps its
+   unpruned position. The row's length is unchanged (K tokens in, K tokens out) and its rope delta
+   grows by the number of pruned tokens.
+
+Host-side numpy. Axes: B batch, L prompt tokens, U unpruned row length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..mrope import get_rope_index
+from .positions import IMAGE, VIDEO, sequence_keep_mask
+
+__all__ = ["VideoPlan", "PrunedPrompt", "prune_prompt"]
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoPlan:
+    """One video under pruning: its grid in patches, merged tokens per frame and retained count K."""
+
+    grid_thw: tuple[int, int, int]
+    tokens_per_frame: int
+    keep: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PrunedPrompt:
+    input_ids: np.ndarray  # [B, L] the per-frame pruned sequence (same padding as the lumped prompt)
+    mm_token_type_ids: np.ndarray  # [B, L]
+    positions: np.ndarray  # [3, B, L] unpruned positions of the kept tokens, 0 on padding
+    rope_deltas: np.ndarray  # [B, 1]
+
+
+def _unpruned_row(ids, types, plans: Sequence[VideoPlan], first_video: int, vision_start: int,
+                  vision_end: int, video_token: int, row: int):
+    """The unpruned layout of one row's real tokens; returns (ids, types, number of videos consumed)."""
+    out_ids, out_types = [], []
+    video = first_video
+    pending = 0  # empty frame slots still expected for the current video
+    i = 0
+    while i < len(ids):
+        if types[i] == VIDEO:
+            if pending:
+                raise ValueError(f"row {row}: video {video - 1} has video tokens after frame 0; with pruning "
+                                 "the processor puts all retained tokens in frame 0")
+            run = i
+            while run < len(ids) and types[run] == VIDEO:
+                run += 1
+            if video >= len(plans):
+                raise ValueError(f"row {row}: more video placeholders than videos given ({len(plans)})")
+            plan = plans[video]
+            if run - i != plan.keep:
+                raise ValueError(
+                    f"video {video} (grid_thw {list(plan.grid_thw)}): its placeholder holds {run - i} tokens but "
+                    f"pruning keeps {plan.keep}; build the prompt with the same video_pruning in the processor"
+                )
+            out_ids += [video_token] * plan.tokens_per_frame
+            out_types += [VIDEO] * plan.tokens_per_frame
+            pending = plan.grid_thw[0] - 1
+            video += 1
+            i = run
+            continue
+        out_ids.append(ids[i])
+        out_types.append(types[i])
+        if pending and ids[i] == vision_start and i + 1 < len(ids) and ids[i + 1] == vision_end:
+            plan = plans[video - 1]
+            out_ids += [video_token] * plan.tokens_per_frame
+            out_types += [VIDEO] * plan.tokens_per_frame
+            pending -= 1
+        i += 1
+    if pending:
+        raise ValueError(f"row {row}: video {video - 1} lacks {pending} of its empty frame slots "
+                         "(<|vision_start|><|vision_end|> after each later timestamp)")
+    return np.asarray(out_ids, np.int64), np.asarray(out_types, np.int64), video - first_video
+
+
+def prune_prompt(input_ids, attention_mask, mm_token_type_ids, image_grid_thw, plans: Sequence[VideoPlan],
+                 video_masks: Sequence[np.ndarray], *, spatial_merge_size: int, vision_start_token_id: int,
+                 vision_end_token_id: int, video_token_id: int) -> PrunedPrompt:
+    """Rebuild a lumped batch into pruned per-frame rows with their positions (see module doc).
+
+    `plans` and `video_masks` (bool `[T*R*C]`, K trues each) are per video in prompt order (row-major
+    over the batch); `image_grid_thw` likewise for images.
+    """
+    ids = np.asarray(input_ids)
+    types = np.asarray(mm_token_type_ids)
+    mask = np.asarray(attention_mask).astype(bool)
+    images = [] if image_grid_thw is None else list(np.asarray(image_grid_thw).reshape(-1, 3))
+    unit = spatial_merge_size**2
+    out_ids, out_types = ids.copy(), types.copy()
+    positions = np.zeros((3, *ids.shape), np.int64)
+    deltas = np.zeros((ids.shape[0], 1), np.int64)
+    video = image = 0
+    for b in range(ids.shape[0]):
+        real = np.flatnonzero(mask[b])
+        u_ids, u_types, used = _unpruned_row(
+            ids[b, real], types[b, real], plans, video, vision_start_token_id, vision_end_token_id,
+            video_token_id, b)
+        # The images of this row, in order: as many grids as its image tokens need.
+        row_images, tokens = [], int((u_types == IMAGE).sum())
+        while tokens > 0:
+            row_images.append(images[image])
+            tokens -= int(np.prod(images[image])) // unit
+            image += 1
+        row_videos = [p.grid_thw for p in plans[video:video + used]]
+        pos_u, _ = get_rope_index(u_ids[None], u_types[None], row_images or None, row_videos or None,
+                                  spatial_merge_size=spatial_merge_size)
+        keep = sequence_keep_mask(u_types, [video_masks[v] for v in range(video, video + used)])
+        assert keep.sum() == real.size, "a pruned row must have the length of its lumped prompt"
+        out_ids[b, real] = u_ids[keep]
+        out_types[b, real] = u_types[keep]
+        positions[:, b, real] = pos_u[:, 0, keep]
+        deltas[b, 0] = int(pos_u.max()) + 1 - real.size
+        video += used
+    if video != len(plans):
+        raise ValueError(f"{len(plans)} videos given but the prompt holds {video} video placeholders")
+    return PrunedPrompt(out_ids, out_types, positions, deltas)
