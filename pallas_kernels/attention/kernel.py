@@ -93,31 +93,44 @@ def _flash_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, *, block_k: int, s
     end_key = jnp.max(jnp.where(nonempty, hi, 0))
     first_block = first_key // block_k
     end_block = (end_key + block_k - 1) // block_k  # < first_block when every row is empty
+    # Key blocks inside every row's interval need no mask: [full_lo, full_hi) (empty unless every
+    # row is non-empty). The loop runs masked over the edges, unmasked over the interior.
+    all_rows = jnp.min(nonempty.astype(jnp.int32)) > 0
+    full_lo = jnp.clip((jnp.max(lo) + block_k - 1) // block_k, first_block, end_block)
+    full_hi = jnp.clip(jnp.where(all_rows, jnp.min(hi) // block_k, 0), full_lo, end_block)
+    full_lo = jnp.where(all_rows, full_lo, end_block)
+    full_hi = jnp.where(all_rows, full_hi, end_block)
 
-    def visit(j, carry):
+    def visit(j, carry, masked: bool):
         m, l, acc = carry
         keys = pl.ds(j * block_k, block_k)
         k = k_ref[keys, :]
         v = v_ref[keys, :]
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32) * scale
-        kpos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
-        mask = (kpos >= lo[:, None]) & (kpos < hi[:, None])
-        s = jnp.where(mask, s, _MASKED)
+        if masked:
+            kpos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+            mask = (kpos >= lo[:, None]) & (kpos < hi[:, None])
+            s = jnp.where(mask, s, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        p = jnp.exp(s - m_new[:, None])
+        if masked:
+            p = jnp.where(mask, p, 0.0)
         alpha = jnp.exp(m - m_new)
         l = l * alpha + jnp.sum(p, axis=1)
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                              preferred_element_type=jnp.float32)
         return m_new, l, acc * alpha[:, None] + pv
 
-    init = (
+    masked_visit = functools.partial(visit, masked=True)
+    carry = (
         jnp.full((block_q,), _MASKED, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
         jnp.zeros((block_q, dim), jnp.float32),
     )
-    _, l, acc = lax.fori_loop(first_block, end_block, visit, init)
+    carry = lax.fori_loop(first_block, jnp.minimum(full_lo, end_block), masked_visit, carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(visit, masked=False), carry)
+    _, l, acc = lax.fori_loop(jnp.maximum(full_hi, first_block), end_block, masked_visit, carry)
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
 
 
