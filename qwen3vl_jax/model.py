@@ -196,12 +196,7 @@ class Qwen3VL(nnx.Module):
         mm_token_type_ids = np.asarray(mm_token_type_ids)
         pruning = pruning_lib.validate_video_pruning(*video_pruning) if video_pruning else None
         merge = cfg.vision.spatial_merge_size
-        plans = []
-        if pruning is not None and video_grid_thw is not None:
-            for t, h, w in np.asarray(video_grid_thw).reshape(-1, 3):
-                tpf = int(h * w) // cfg.vision.merge_unit
-                plans.append(pruning_lib.prompt.VideoPlan(
-                    (int(t), int(h), int(w)), tpf, pruning_lib.retained_count(pruning[0], tpf, int(t), pruning[1])))
+        plans = video_plans(video_grid_thw, cfg, pruning) if pruning is not None else []
 
         groups = []  # (pixels, grid) per modality, images first
         for name, token, pixels, grid in (
@@ -265,6 +260,18 @@ class Qwen3VL(nnx.Module):
             deepstack=deepstack,
         )
 
+    def video_retention_masks(self, pixel_values_videos, video_grid_thw, video_pruning: tuple[str, float],
+                              *, vision_encoder=None) -> list[np.ndarray]:
+        """Per video, the bool `[T, R, C]` map of the merged tokens `video_pruning` keeps (for plots)."""
+        pruning = pruning_lib.validate_video_pruning(*video_pruning)
+        grid = validate_vision_inputs(pixel_values_videos, video_grid_thw, self.config.vision)
+        merge = self.config.vision.spatial_merge_size
+        if pruning is None:
+            return [np.ones((t, h // merge, w // merge), bool) for t, h, w in grid]
+        merged, deepstack = (vision_encoder or self.encode_vision)(pixel_values_videos, grid)
+        masks, _ = video_keep_masks(merged, deepstack, video_plans(grid, self.config, pruning), merge, pruning)
+        return [m.reshape(t, h // merge, w // merge) for m, (t, h, w) in zip(masks, grid)]
+
     def __call__(
         self,
         input_ids,
@@ -313,6 +320,16 @@ class Qwen3VL(nnx.Module):
     def generate(self, *args, **kwargs):
         """Token ids `[B, L + new]` like HF's `generate`; see `qwen3vl_jax.generate.generate`."""
         return generate_tokens(self, *args, **kwargs)
+
+
+def video_plans(video_grid_thw, config: Qwen3VLConfig, pruning: tuple[str, float]) -> list:
+    """Per video: grid, merged tokens per frame and the retained count K under `pruning`."""
+    plans = []
+    for t, h, w in np.asarray(video_grid_thw).reshape(-1, 3):
+        tpf = int(h * w) // config.vision.merge_unit
+        keep = pruning_lib.retained_count(pruning[0], tpf, int(t), pruning[1])
+        plans.append(pruning_lib.prompt.VideoPlan((int(t), int(h), int(w)), tpf, keep))
+    return plans
 
 
 def video_keep_masks(merged, deepstack, plans, spatial_merge_size: int, pruning: tuple[str, float]):

@@ -126,3 +126,12 @@ def test_a_prompt_built_without_pruning_is_refused(processor, jax_model):
         jax_model.prepare_inputs(**_model_kwargs(full), video_pruning=("evs", 0.5))
     with pytest.raises(ValueError, match="unknown video pruning method 'EVS'"):
         jax_model.prepare_inputs(**_model_kwargs(full), video_pruning=("EVS", 0.5))
+
+
+def test_retention_maps_match_the_prompt_rebuild(processor, jax_model):
+    videos = [_video(8, 64, 64, 1, static=True)]
+    batch = _inputs(processor, [["video", "x"]], videos=videos)
+    maps = jax_model.video_retention_masks(batch["pixel_values_videos"], batch["video_grid_thw"], ("evs", 0.5))
+    t, h, w = batch["video_grid_thw"][0]
+    assert maps[0].shape == (t, h // 2, w // 2) and maps[0][0].all()
+    assert maps[0].sum() == retained_count("evs", int(h * w) // 4, int(t), 0.5)
