@@ -174,15 +174,17 @@ def flash_attention(q, k, v, kv_lo, kv_hi, *, scale: float, block_q: int = 64, b
     warps = num_warps if num_warps is not None else (4 if dim <= 64 else 8)
     out = pl.pallas_call(
         functools.partial(_flash_kernel, block_k=bk, scale=scale, precision=precision),
-        grid=(b, heads, lp // bq),
+        # Query blocks vary fastest (CUDA grid x), so concurrently running programs mostly share
+        # one head's K/V in L2.
+        grid=(lp // bq, b, heads),
         in_specs=[
-            pl.BlockSpec((None, bq), lambda bi, h, i: (bi, i)),
-            pl.BlockSpec((None, bq), lambda bi, h, i: (bi, i)),
-            pl.BlockSpec((None, bq, None, dim), lambda bi, h, i: (bi, i, h, 0)),
-            pl.BlockSpec((None, sp, None, dim), lambda bi, h, i: (bi, 0, h // group, 0)),
-            pl.BlockSpec((None, sp, None, dim), lambda bi, h, i: (bi, 0, h // group, 0)),
+            pl.BlockSpec((None, bq), lambda i, bi, h: (bi, i)),
+            pl.BlockSpec((None, bq), lambda i, bi, h: (bi, i)),
+            pl.BlockSpec((None, bq, None, dim), lambda i, bi, h: (bi, i, h, 0)),
+            pl.BlockSpec((None, sp, None, dim), lambda i, bi, h: (bi, 0, h // group, 0)),
+            pl.BlockSpec((None, sp, None, dim), lambda i, bi, h: (bi, 0, h // group, 0)),
         ],
-        out_specs=pl.BlockSpec((None, bq, None, dim), lambda bi, h, i: (bi, i, h, 0)),
+        out_specs=pl.BlockSpec((None, bq, None, dim), lambda i, bi, h: (bi, i, h, 0)),
         out_shape=jax.ShapeDtypeStruct((b, lp, heads, dim), q.dtype),
         compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=num_stages),
         interpret=interpret,
