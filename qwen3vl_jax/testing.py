@@ -85,10 +85,16 @@ _BPE_VOCAB_SIZE = 480
 
 
 def _build_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
+    # Qwen's pipeline, as its tokenizer.json carries it: NFC, Qwen's split regex, then byte-level.
     tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=_BPE_VOCAB_SIZE,
@@ -274,6 +280,7 @@ def make_tiny_checkpoint(
         "video_processor_type": "Qwen3VLVideoProcessor",
         "size": video_size or {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 1024},
         "do_sample_frames": True,
+        "cap_pixels_per_frame": False,  # explicit: HF warns while its default is unset
         "fps": 2,
         "min_frames": 4,
         "max_frames": 64,

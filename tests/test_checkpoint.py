@@ -102,3 +102,14 @@ def test_sharded_and_bf16_tied_legacy_variants(tmp_path, hf_model):
     ref = hf_model.model.visual.blocks[0].attn.qkv.weight.detach().numpy()
     got = np.asarray(ours.visual.blocks[0].attn.qkv.kernel[...]).T
     np.testing.assert_allclose(got, ref, rtol=2**-8)  # bf16 storage of the same seed's weights
+
+
+def test_raw_tokenizer_json_agrees_with_hf(tiny_dir):
+    """tokenizer.json carries Qwen's own pipeline, so any loader (not only HF's class) gets the same ids."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    raw = Tokenizer.from_file(os.path.join(tiny_dir, "tokenizer.json"))
+    hf = AutoTokenizer.from_pretrained(tiny_dir)
+    for text in ("12345 apples", "Hello, world!\n\n  It's  fine", "ünïcödé Ω ≈ 3.14", "<|im_start|>user\nhi"):
+        assert raw.encode(text).ids == hf(text)["input_ids"], text
