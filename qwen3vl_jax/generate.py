@@ -47,9 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.attention import api as attention_api
 
-from .text import apply_rotary, mrope_cos_sin
+from .text import mrope_cos_sin
 
 __all__ = [
     "generate",
@@ -149,27 +148,6 @@ def select_tokens(logits: jnp.ndarray, key, temperature, top_k, top_p, *, do_sam
 # ---------------------------------------------------------------------- the decoder with a cache
 
 
-def _qkv(layer, x, cos, sin):
-    """First half of `text.DecoderLayer` (same math): rotated q `[B, L, H, D]`, k and v `[B, L, G, D]`."""
-    attn = layer.self_attn
-    b, length, _ = x.shape
-    d = attn.config.head_dim
-    h = layer.input_layernorm(x)
-    q = attn.q_norm(attn.q_proj(h).reshape(b, length, -1, d))
-    k = attn.k_norm(attn.k_proj(h).reshape(b, length, -1, d))
-    v = attn.v_proj(h).reshape(b, length, -1, d)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
-
-
-def _attend(layer, x, q, keys, values, mask, implementation):
-    """The second half: attention over `keys`/`values` `[B, S, G, D]`, residual, MLP, residual."""
-    b, length, _ = x.shape
-    out = attention_api.masked_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask,
-                                         implementation=implementation)
-    x = x + layer.self_attn.o_proj(out.reshape(b, length, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _embed(graphdef, state, inputs):
     COMPILE_COUNTS["embed"] += 1
@@ -191,8 +169,8 @@ def _prefill(graphdef, state, embeds, deepstack, positions, attention_mask, key,
     x = embeds
     keys, values = [], []
     for index, layer in enumerate(lm.layers):
-        q, k, v = _qkv(layer, x, cos, sin)
-        x = _attend(layer, x, q, k, v, mask, implementation)
+        q, k, v = layer.qkv(x, cos, sin)
+        x = layer.finish(x, q, k, v, mask, implementation)
         keys.append(k)
         values.append(v)
         if deepstack is not None and index < deepstack.shape[0]:
@@ -219,11 +197,11 @@ def _decode_step(graphdef, state, cache, tokens, positions, index, key_mask, key
     cos, sin = mrope_cos_sin(positions[:, :, None], lm.config)
     mask = (key_mask & (jnp.arange(slots) <= index)[None])[:, None, :]  # [B, 1, S]
     for i, layer in enumerate(lm.layers):
-        q, k, v = _qkv(layer, x, cos, sin)
+        q, k, v = layer.qkv(x, cos, sin)
         # write the new slot into the stacked (donated) cache in place, then read this layer's keys
         cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), (i, 0, index, 0, 0))
         cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), (i, 0, index, 0, 0))
-        x = _attend(layer, x, q, cache_k[i], cache_v[i], mask, implementation)
+        x = layer.finish(x, q, cache_k[i], cache_v[i], mask, implementation)
     logits = model.logits(lm.norm(x[:, 0]))
     next_tokens = select_tokens(logits, jax.random.fold_in(key, step), temperature, top_k, top_p,
                                 do_sample=do_sample)

@@ -70,15 +70,25 @@ class TextAttention(nnx.Module):
         self.q_norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
 
-    def __call__(self, x, cos, sin, mask, implementation: str):
+    def project(self, x, cos, sin):
+        """Rotated q `[B, L, H, D]`, rotated k and v `[B, L, G, D]` (q/k RMSNorm before rotary)."""
         b, length, _ = x.shape
         d = self.config.head_dim
         q = self.q_norm(self.q_proj(x).reshape(b, length, -1, d))
         k = self.k_norm(self.k_proj(x).reshape(b, length, -1, d))
         v = self.v_proj(x).reshape(b, length, -1, d)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention_api.masked_attention(q, k, v, mask, implementation=implementation)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def attend(self, q, keys, values, mask, implementation: str):
+        """Attention of q over `keys`/`values` `[B, S, G, D]` (this call's or a cache's), then o_proj."""
+        b, length = q.shape[:2]
+        out = attention_api.masked_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask,
+                                             implementation=implementation)
         return self.o_proj(out.reshape(b, length, -1))
+
+    def __call__(self, x, cos, sin, mask, implementation: str):
+        q, k, v = self.project(x, cos, sin)
+        return self.attend(q, k, v, mask, implementation)
 
 
 class TextMLP(nnx.Module):
@@ -100,9 +110,18 @@ class DecoderLayer(nnx.Module):
                                                 param_dtype=param_dtype)
         self.mlp = TextMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, mask, implementation: str = "xla"):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, implementation)
+    def qkv(self, x, cos, sin):
+        """The layer's q, k, v for the residual stream x (what a KV cache stores is k and v)."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def finish(self, x, q, keys, values, mask, implementation: str = "xla"):
+        """The rest of the layer given the keys and values to attend over (this call's or cached)."""
+        x = x + self.self_attn.attend(q, keys, values, mask, implementation)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def __call__(self, x, cos, sin, mask, implementation: str = "xla"):
+        q, k, v = self.qkv(x, cos, sin)
+        return self.finish(x, q, k, v, mask, implementation)
 
 
 class TextModel(nnx.Module):

@@ -1,10 +1,14 @@
 """CPU benchmark: our jitted JAX model against HF torch eager, same weights, same run.
 
-    .venv/bin/python scripts/bench_cpu.py [--repeats 5] [--llm-layers 4]
+    .venv/bin/python scripts/bench_cpu.py [--repeats 5] [--llm-layers 4] [--parts vision generate]
+        [--prompt-tokens 512] [--new-tokens 32]
 
-Vision part: the 2B vision tower's dimensions (random weights, the real architecture), one
-448x448 image (grid 1x28x28) and one 8-frame 448x448 video (grid 4x28x28). Prints the median
-wall time of each side and the ratio HF / ours (above 1 means we are faster). Writes nothing.
+The model has the 2B preset's widths with random weights (the real architecture) and
+`--llm-layers` decoder layers. Vision part: one 448x448 image (grid 1x28x28) and one 8-frame
+448x448 video (grid 4x28x28) through the vision tower. Generation part: greedy `generate` on a
+text prompt of `--prompt-tokens` tokens and on a 448x448 image prompt; prefill is the time to the
+first token, decode the tokens/s of the remaining `--new-tokens - 1`. Prints median wall times of
+both sides and the ratio HF / ours (above 1 means we are faster). Writes nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--llm-layers", type=int, default=4, help="decoder layers kept from the 2B preset")
+    parser.add_argument("--parts", nargs="+", choices=("vision", "generate"), default=["vision", "generate"])
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
 
     import jax
@@ -50,6 +57,16 @@ def main(argv=None) -> None:
         hf.save_pretrained(tmp)
         ours = Qwen3VL.from_pretrained(tmp)
 
+    if "vision" in args.parts:
+        bench_vision(hf, ours, config, args.repeats)
+    if "generate" in args.parts:
+        bench_generate(hf, ours, config, args)
+
+
+def bench_vision(hf, ours, config, repeats: int) -> None:
+    import jax
+    import torch
+
     rows = []
     rng = np.random.default_rng(0)
     for name, grid in (("image 448x448", [[1, 28, 28]]), ("video 8x448x448", [[4, 28, 28]])):
@@ -66,12 +83,50 @@ def main(argv=None) -> None:
             return jax.block_until_ready((merged, deepstack))
 
         diff = float(np.abs(np.asarray(run_ours()[0]) - run_hf().numpy()).max())
-        t_hf, t_ours = _median_seconds(run_hf, args.repeats), _median_seconds(run_ours, args.repeats)
+        t_hf, t_ours = _median_seconds(run_hf, repeats), _median_seconds(run_ours, repeats)
         rows.append((name, int(grid.prod()), t_hf, t_ours, diff))
 
     print(f"\n{'vision tower':<18}{'patches':>9}{'HF eager s':>12}{'ours jit s':>12}{'HF/ours':>9}{'max|diff|':>11}")
     for name, patches, t_hf, t_ours, diff in rows:
         print(f"{name:<18}{patches:>9}{t_hf:>12.3f}{t_ours:>12.3f}{t_hf / t_ours:>9.2f}{diff:>11.2e}")
+
+
+def bench_generate(hf, ours, config, args) -> None:
+    import torch
+
+    rng = np.random.default_rng(1)
+    cfg = config
+    merged_side = 14  # a 448x448 image: 28x28 patches, 14x14 merged tokens
+    image_prompt = np.concatenate([
+        rng.integers(0, 1000, 16), [cfg.vision_start_token_id], np.full(merged_side**2, cfg.image_token_id),
+        [cfg.vision_end_token_id], rng.integers(0, 1000, 16)])[None]
+    pixels = rng.standard_normal((28 * 28, cfg.vision.patch_dim)).astype(np.float32)
+    cases = {
+        f"text {args.prompt_tokens} tok": dict(input_ids=rng.integers(0, 1000, (1, args.prompt_tokens))),
+        "image 448x448": dict(input_ids=image_prompt, pixel_values=pixels, image_grid_thw=np.asarray([[1, 28, 28]])),
+    }
+    print(f"\n{'generate (greedy)':<18}{'prompt':>7}{'HF prefill s':>14}{'ours prefill s':>16}{'ratio':>7}"
+          f"{'HF tok/s':>10}{'ours tok/s':>12}{'ratio':>7}{'same ids':>10}")
+    for name, inputs in cases.items():
+        mask = np.ones_like(inputs["input_ids"])
+        types = (inputs["input_ids"] == cfg.image_token_id).astype(np.int64)
+        ours_kw = dict(inputs, attention_mask=mask, mm_token_type_ids=types)
+        hf_kw = {k: torch.from_numpy(np.asarray(v)) for k, v in ours_kw.items()}
+
+        def hf_run(n):
+            with torch.no_grad():
+                return hf.generate(**hf_kw, max_new_tokens=n, min_new_tokens=n, do_sample=False).numpy()
+
+        def ours_run(n):
+            return ours.generate(**ours_kw, max_new_tokens=n, eos_token_id=[])
+
+        n = args.new_tokens
+        same = np.array_equal(hf_run(n), ours_run(n))
+        hf_first, ours_first = _median_seconds(lambda: hf_run(1), args.repeats), _median_seconds(lambda: ours_run(1), args.repeats)
+        hf_all, ours_all = _median_seconds(lambda: hf_run(n), args.repeats), _median_seconds(lambda: ours_run(n), args.repeats)
+        hf_rate, ours_rate = (n - 1) / (hf_all - hf_first), (n - 1) / (ours_all - ours_first)
+        print(f"{name:<18}{inputs['input_ids'].shape[1]:>7}{hf_first:>14.3f}{ours_first:>16.3f}"
+              f"{hf_first / ours_first:>7.2f}{hf_rate:>10.1f}{ours_rate:>12.1f}{ours_rate / hf_rate:>7.2f}{str(same):>10}")
 
 
 if __name__ == "__main__":
