@@ -47,7 +47,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-
 from .text import mrope_cos_sin
 
 __all__ = [
