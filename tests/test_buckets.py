@@ -76,3 +76,21 @@ def test_bucket_ladder():
     assert b.fit(1) == 64 and b.fit(129) == 256 and b.fit(1000) == 1000
     with pytest.raises(ValueError, match="exceeds the largest bucket 1000"):
         b.fit(1001)
+
+
+def test_persistent_compilation_cache(tmp_path, tiny_dir):
+    """With a cache directory, a second process loads the budgets' executables instead of compiling."""
+    import subprocess
+    import sys
+
+    code = (
+        "import time; from qwen3vl_jax import Qwen3VL; from qwen3vl_jax.buckets import EncoderRunner\n"
+        f"model = Qwen3VL.from_pretrained({str(tiny_dir)!r})\n"
+        f"r = EncoderRunner(model, budgets=(16, 32), compilation_cache_dir={str(tmp_path)!r}).warmup()\n"
+        "print(r.compile_seconds)\n"
+    )
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    entries = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(entries) >= 2, entries  # one executable per budget at least
+    second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert float(second.stdout.split()[-1]) < float(first.stdout.split()[-1])
