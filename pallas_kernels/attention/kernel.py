@@ -50,7 +50,7 @@ def dot_precision(dtype):
     the Triton default (TF32 on a GPU). The Triton lowering does not read the config itself."""
     if jnp.dtype(dtype) != jnp.float32:
         return None
-    default = jax.config.jax_default_matmul_precision
+    default = getattr(jax.config, "jax_default_matmul_precision", None)
     if default is not None and str(default).lower() in ("highest", "float32", "fp32"):
         return lax.Precision.HIGHEST
     return None
