@@ -67,7 +67,8 @@ class Qwen3VL(nnx.Module):
       config: the architecture.
       dtype: compute dtype; `param_dtype` (default: `dtype`) is the storage dtype. Norms, softmax,
         rotary and the position-embedding interpolation run in float32 regardless.
-      attention_implementation: "auto" | "xla" (runtime option, not architecture).
+      attention_implementation: "xla" (the pure-jnp specs), "pallas" (the Triton kernels; interpret
+        mode off-GPU) or "auto" (Pallas on a GPU, XLA elsewhere). A runtime option, not architecture.
     """
 
     def __init__(self, config: Qwen3VLConfig, *, dtype=jnp.float32, param_dtype=None,
