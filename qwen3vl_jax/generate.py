@@ -341,6 +341,7 @@ def generate(
     eos_arr = np.asarray(eos, np.int64)
     unfinished = np.ones(batch, bool)
     generated = []
+    fed = None  # the tokens the next decode step consumes (the previous step's output)
     for t in range(max_new_tokens):
         if t > 0:
             tokens, _, cache = _decode_step(

@@ -39,6 +39,24 @@ def assert_close(ours, ref, kind: str, what: str = "") -> float:
     return float(diff.max()) if diff.size else 0.0
 
 
+def random_image(h: int, w: int, seed: int):
+    """A PIL RGB image of uniform noise."""
+    from PIL import Image
+
+    return Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype(np.uint8))
+
+
+def random_video(frames: int, h: int, w: int, seed: int) -> np.ndarray:
+    """`(T, H, W, 3)` uint8 frames of uniform noise."""
+    return (np.random.default_rng(seed).random((frames, h, w, 3)) * 255).astype(np.uint8)
+
+
+def user_prompt(*parts: str) -> list[dict]:
+    """One user message; "image" / "video" parts become media slots, anything else text."""
+    content = [{"type": p} if p in ("image", "video") else {"type": "text", "text": p} for p in parts]
+    return [{"role": "user", "content": content}]
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     from qwen3vl_jax.testing import make_tiny_checkpoint

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from conftest import random_image, random_video, user_prompt
 from scipy import stats
 
 from qwen3vl_jax import generate as gen
@@ -22,29 +22,16 @@ from qwen3vl_jax.generate import COMPILE_COUNTS, GenerationConfig, select_tokens
 NEW = 32
 
 
-def _image(h, w, seed):
-    return Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype(np.uint8))
-
-
-def _video(frames, h, w, seed):
-    return (np.random.default_rng(seed).random((frames, h, w, 3)) * 255).astype(np.uint8)
-
-
-def _prompt(*parts):
-    content = [{"type": p} if p in ("image", "video") else {"type": "text", "text": p} for p in parts]
-    return [{"role": "user", "content": content}]
-
-
 CASES = {
-    "text_only": dict(prompts=[_prompt("Hello, how are you today?")]),
-    "one_image": dict(prompts=[_prompt("image", "Describe this image.")], images=[(100, 150)]),
-    "video": dict(prompts=[_prompt("video", "What happens?")], videos=[(6, 64, 96, 2.0)]),
+    "text_only": dict(prompts=[user_prompt("Hello, how are you today?")]),
+    "one_image": dict(prompts=[user_prompt("image", "Describe this image.")], images=[(100, 150)]),
+    "video": dict(prompts=[user_prompt("video", "What happens?")], videos=[(6, 64, 96, 2.0)]),
     "batch_left_padding": dict(
-        prompts=[_prompt("image", "A long question about the picture here?"), _prompt("Short.")],
+        prompts=[user_prompt("image", "A long question about the picture here?"), user_prompt("Short.")],
         images=[(70, 90)],
     ),
-    "text_batch_left_padding": dict(prompts=[_prompt("A much longer text-only question, padded less?"),
-                                             _prompt("Hi.")]),
+    "text_batch_left_padding": dict(prompts=[user_prompt("A much longer text-only question, padded less?"),
+                                             user_prompt("Hi.")]),
 }
 
 
@@ -65,9 +52,9 @@ def _inputs(processor, case):
     texts = [processor.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in spec["prompts"]]
     kwargs = {}
     if "images" in spec:
-        kwargs["images"] = [_image(h, w, i) for i, (h, w) in enumerate(spec["images"])]
+        kwargs["images"] = [random_image(h, w, i) for i, (h, w) in enumerate(spec["images"])]
     if "videos" in spec:
-        kwargs["videos"] = [_video(f, h, w, 10 + i) for i, (f, h, w, _) in enumerate(spec["videos"])]
+        kwargs["videos"] = [random_video(f, h, w, 10 + i) for i, (f, h, w, _) in enumerate(spec["videos"])]
         kwargs["video_metadata"] = [
             {"fps": fps, "total_num_frames": f, "frames_indices": list(range(f))} for f, _, _, fps in spec["videos"]
         ]

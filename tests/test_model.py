@@ -9,35 +9,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import assert_close
-from PIL import Image
+from conftest import assert_close, random_image, random_video, user_prompt
 
 from qwen3vl_jax import Qwen3VL
 from qwen3vl_jax.mrope import get_rope_index
 from qwen3vl_jax.testing import make_tiny_checkpoint
 
 
-def _image(h, w, seed):
-    return Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype(np.uint8))
-
-
-def _video(frames, h, w, seed):
-    return (np.random.default_rng(seed).random((frames, h, w, 3)) * 255).astype(np.uint8)
-
-
-def _prompt(*parts):
-    content = [{"type": p} if p in ("image", "video") else {"type": "text", "text": p} for p in parts]
-    return [{"role": "user", "content": content}]
-
-
 CASES = {
-    "text_only": dict(prompts=[_prompt("Hello, how are you today?")]),
-    "one_image": dict(prompts=[_prompt("image", "Describe this image.")], images=[(100, 150)]),
-    "two_images": dict(prompts=[_prompt("image", "and", "image", "compare them")], images=[(64, 64), (96, 200)]),
-    "video_t3": dict(prompts=[_prompt("video", "What happens?")], videos=[(6, 64, 96, 2.0)]),
-    "image_and_video": dict(prompts=[_prompt("image", "video", "both")], images=[(80, 80)], videos=[(5, 64, 64, 3.0)]),
+    "text_only": dict(prompts=[user_prompt("Hello, how are you today?")]),
+    "one_image": dict(prompts=[user_prompt("image", "Describe this image.")], images=[(100, 150)]),
+    "two_images": dict(prompts=[user_prompt("image", "and", "image", "compare them")], images=[(64, 64), (96, 200)]),
+    "video_t3": dict(prompts=[user_prompt("video", "What happens?")], videos=[(6, 64, 96, 2.0)]),
+    "image_and_video": dict(prompts=[user_prompt("image", "video", "both")], images=[(80, 80)], videos=[(5, 64, 64, 3.0)]),
     "batch_left_padding": dict(
-        prompts=[_prompt("image", "A long question about the picture here?"), _prompt("Short.")],
+        prompts=[user_prompt("image", "A long question about the picture here?"), user_prompt("Short.")],
         images=[(70, 90)],
     ),
 }
@@ -48,9 +34,9 @@ def _hf_inputs(processor, case):
     texts = [processor.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in spec["prompts"]]
     kwargs = {}
     if "images" in spec:
-        kwargs["images"] = [_image(h, w, i) for i, (h, w) in enumerate(spec["images"])]
+        kwargs["images"] = [random_image(h, w, i) for i, (h, w) in enumerate(spec["images"])]
     if "videos" in spec:
-        kwargs["videos"] = [_video(f, h, w, 10 + i) for i, (f, h, w, _) in enumerate(spec["videos"])]
+        kwargs["videos"] = [random_video(f, h, w, 10 + i) for i, (f, h, w, _) in enumerate(spec["videos"])]
         kwargs["video_metadata"] = [
             {"fps": fps, "total_num_frames": f, "frames_indices": list(range(f))} for f, _, _, fps in spec["videos"]
         ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 from conftest import assert_close

@@ -34,6 +34,7 @@ __all__ = [
     "merged_grid",
     "evs",
     "vidcom2",
+    "prompt",
 ]
 
 PRUNING_METHODS: dict[str, ModuleType] = {"evs": evs, "vidcom2": vidcom2}
