@@ -57,6 +57,32 @@ def user_prompt(*parts: str) -> list[dict]:
     return [{"role": "user", "content": content}]
 
 
+def hf_processor_batch(processor, spec: dict):
+    """HF processor inputs (torch tensors, left-padded) for a case spec.
+
+    `spec`: {"prompts": [messages, ...], "images": [(h, w), ...], "videos": [(frames, h, w, fps), ...]};
+    media are seeded noise, video frames are taken as given (no resampling).
+    """
+    texts = [processor.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in spec["prompts"]]
+    kwargs = {}
+    if "images" in spec:
+        kwargs["images"] = [random_image(h, w, i) for i, (h, w) in enumerate(spec["images"])]
+    if "videos" in spec:
+        kwargs["videos"] = [random_video(f, h, w, 10 + i) for i, (f, h, w, _) in enumerate(spec["videos"])]
+        kwargs["video_metadata"] = [
+            {"fps": fps, "total_num_frames": f, "frames_indices": list(range(f))} for f, _, _, fps in spec["videos"]
+        ]
+        kwargs["do_sample_frames"] = False
+    return processor(text=texts, return_tensors="pt", padding=True, padding_side="left", **kwargs)
+
+
+@pytest.fixture(scope="session")
+def hf_processor(tiny_dir):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(tiny_dir)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     from qwen3vl_jax.testing import make_tiny_checkpoint

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import random_image, random_video, user_prompt
+from conftest import hf_processor_batch, user_prompt
 from scipy import stats
 
 from qwen3vl_jax import generate as gen
@@ -36,10 +36,8 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def processor(tiny_dir):
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(tiny_dir)
+def processor(hf_processor):
+    return hf_processor
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +46,7 @@ def gen_config(tiny_dir):
 
 
 def _inputs(processor, case):
-    spec = CASES[case]
-    texts = [processor.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in spec["prompts"]]
-    kwargs = {}
-    if "images" in spec:
-        kwargs["images"] = [random_image(h, w, i) for i, (h, w) in enumerate(spec["images"])]
-    if "videos" in spec:
-        kwargs["videos"] = [random_video(f, h, w, 10 + i) for i, (f, h, w, _) in enumerate(spec["videos"])]
-        kwargs["video_metadata"] = [
-            {"fps": fps, "total_num_frames": f, "frames_indices": list(range(f))} for f, _, _, fps in spec["videos"]
-        ]
-        kwargs["do_sample_frames"] = False
-    batch = processor(text=texts, return_tensors="pt", padding=True, padding_side="left", **kwargs)
+    batch = hf_processor_batch(processor, CASES[case])
     keys = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw",
             "pixel_values_videos", "video_grid_thw")
     return {k: batch[k] for k in keys if k in batch}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import assert_close, random_image, random_video, user_prompt
+from conftest import assert_close, hf_processor_batch, user_prompt
 
 from qwen3vl_jax import Qwen3VL
 from qwen3vl_jax.mrope import get_rope_index
@@ -30,25 +30,12 @@ CASES = {
 
 
 def _hf_inputs(processor, case):
-    spec = CASES[case]
-    texts = [processor.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in spec["prompts"]]
-    kwargs = {}
-    if "images" in spec:
-        kwargs["images"] = [random_image(h, w, i) for i, (h, w) in enumerate(spec["images"])]
-    if "videos" in spec:
-        kwargs["videos"] = [random_video(f, h, w, 10 + i) for i, (f, h, w, _) in enumerate(spec["videos"])]
-        kwargs["video_metadata"] = [
-            {"fps": fps, "total_num_frames": f, "frames_indices": list(range(f))} for f, _, _, fps in spec["videos"]
-        ]
-        kwargs["do_sample_frames"] = False
-    return processor(text=texts, return_tensors="pt", padding=True, padding_side="left", **kwargs)
+    return hf_processor_batch(processor, CASES[case])
 
 
 @pytest.fixture(scope="module")
-def processor(tiny_dir):
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(tiny_dir)
+def processor(hf_processor):
+    return hf_processor
 
 
 def _model_inputs(batch):
