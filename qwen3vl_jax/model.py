@@ -20,12 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from . import pruning as pruning_lib
 from .config import Qwen3VLConfig
 from .convert import is_orbax_dir, load_hf_params, restore_orbax, save_hf, save_orbax
-from .layers import Linear
 from .generate import GenerationConfig
 from .generate import generate as generate_tokens
-from . import pruning as pruning_lib
+from .layers import Linear
 from .mrope import get_rope_index
 from .text import TextModel
 from .vision import VisionModel, VisionOutput, validate_vision_inputs, vision_metadata
@@ -77,6 +77,7 @@ class Qwen3VL(nnx.Module):
         self.config = config
         self.dtype = dtype
         self.attention_implementation = attention_implementation
+        self.generation_config = GenerationConfig()  # EOS / pad ids; from_pretrained reads the checkpoint's
         self.visual = VisionModel(config.vision, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.language_model = TextModel(config.text, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         if not config.tie_word_embeddings:
@@ -124,7 +125,7 @@ class Qwen3VL(nnx.Module):
             if bar is not None:
                 bar.close()
         model = nnx.merge(graphdef, _fill_state(state, params))
-        model.generation_config = GenerationConfig.from_pretrained(path)  # EOS / pad ids for generate
+        model.generation_config = GenerationConfig.from_pretrained(path)
         return model
 
     def save_orbax(self, directory: str | os.PathLike) -> str:
