@@ -4,7 +4,8 @@ Data path (DESIGN.md section 1, the last two stages):
 
 ```
 Qwen3VL.prepare_inputs (host + vision jit)  -> MultimodalInputs, length L
-  -> host: left-pad to a length bucket P (powers of two from 32), positions of the padding = 0
+  -> host: left-pad to a length bucket P (`prompt_buckets`: 32, 64, ... up to the context length),
+     positions of the padding = 0
   -> jit _embed: token embeddings with visual features spliced in, deepstack additions
   -> jit _prefill(P): all decoder layers over P tokens, deepstack after layers 0..K-1, K/V written
      into a preallocated cache [layers, B, S, G, D], first token selected
@@ -47,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .buckets import Buckets
 from .text import mrope_cos_sin
 
 __all__ = [
@@ -54,6 +56,7 @@ __all__ = [
     "GenerationConfig",
     "COMPILE_COUNTS",
     "bucket_length",
+    "prompt_buckets",
     "cache_length",
     "warp_logits",
     "select_tokens",
@@ -67,10 +70,19 @@ MIN_BUCKET = 32
 CACHE_ROUND = 32  # decode slots are rounded up to this so nearby max_new_tokens share a compile
 
 
-def bucket_length(length: int, min_bucket: int = MIN_BUCKET) -> int:
-    """The prompt bucket: the smallest power of two >= max(length, min_bucket)."""
-    n = max(int(length), int(min_bucket), 1)
-    return 1 << (n - 1).bit_length()
+def prompt_buckets(config, min_bucket: int = MIN_BUCKET) -> Buckets:
+    """Prompt length buckets (the encoder budgets' mechanism): `min_bucket`, doubling, up to the
+    model's context length `config.max_position_embeddings`."""
+    return Buckets.doubling(int(min_bucket), max(int(min_bucket), config.max_position_embeddings))
+
+
+def bucket_length(length: int, config, min_bucket: int = MIN_BUCKET) -> int:
+    """The prompt bucket of a prompt of `length` tokens; ValueError beyond the context length."""
+    buckets = prompt_buckets(config, min_bucket)
+    if length > buckets.largest:
+        raise ValueError(f"a prompt of {length} tokens exceeds the model's context length "
+                         f"(max_position_embeddings = {config.max_position_embeddings})")
+    return buckets.fit(max(int(length), 1))
 
 
 def cache_length(bucket: int, max_new_tokens: int) -> int:
@@ -325,7 +337,7 @@ def generate(
     clock.lap("prepare", inputs)
     inputs = _generation_positions(inputs)
     start = np.asarray(inputs.positions[:, :, -1], np.int32) + 1  # [3, B]: HF's position_ids[..., -1:] + 1
-    bucket = bucket_length(ids.shape[1], min_bucket)
+    bucket = bucket_length(ids.shape[1], model.config.text, min_bucket)
     inputs = _pad_left(inputs, bucket, pad_id)
     slots = cache_length(bucket, max_new_tokens)
     graphdef, state = nnx.split(model)

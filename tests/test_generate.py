@@ -221,3 +221,15 @@ def test_eos_and_pad_resolution():
     assert _resolve_ids(configured, [5], 1) == ((5,), 1)
     as_dict = SimpleNamespace(generation_config={"eos_token_id": 11})
     assert _resolve_ids(as_dict, None, None) == ((11,), 11)
+
+
+def test_prompt_buckets_share_the_encoder_mechanism(jax_model):
+    from qwen3vl_jax.buckets import Buckets
+
+    cfg = jax_model.config.text
+    buckets = gen.prompt_buckets(cfg)
+    assert isinstance(buckets, Buckets) and buckets.sizes[:3] == (32, 64, 128)
+    assert buckets.largest == cfg.max_position_embeddings
+    assert gen.bucket_length(5, cfg) == 32 and gen.bucket_length(33, cfg) == 64
+    with pytest.raises(ValueError, match="exceeds the model's context length"):
+        gen.bucket_length(cfg.max_position_embeddings + 1, cfg)
