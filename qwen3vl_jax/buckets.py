@@ -207,12 +207,14 @@ class EncoderRunner:
         """What `model.encode_vision` returns: `(merged [N, O], deepstack [L, N, O])`."""
         grid = validate_vision_inputs(pixel_values, grid_thw, self.config)
         pixel_values = np.asarray(pixel_values, np.float32)
+        # The current parameters (edited weights take effect); the executables depend only on shapes.
+        state = nnx.state(self.model.visual)
         merged_parts, deepstack_parts = [], []
         for pieces in self.plan(grid):
             real = sum(p.frames * p.h * p.w for p in pieces) // self.config.merge_unit
             budget = self.budgets.fit(real)
             pixels, meta, real = self._call_inputs(pieces, pixel_values, budget)
-            merged, deepstack = self._executable(budget)(self._state, pixels, meta)
+            merged, deepstack = self._executable(budget)(state, pixels, meta)
             merged_parts.append(merged[:real])
             deepstack_parts.append(deepstack[:, :real])
             stats = self.stats[budget]

@@ -94,3 +94,18 @@ def test_persistent_compilation_cache(tmp_path, tiny_dir):
     assert len(entries) >= 2, entries  # one executable per budget at least
     second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert float(second.stdout.split()[-1]) < float(first.stdout.split()[-1])
+
+
+def test_edited_weights_take_effect_without_recompiling(runner, jax_model):
+    grid = np.asarray([[1, 4, 4]])
+    pixels = np.random.default_rng(2).standard_normal((16, 1536)).astype(np.float32)
+    before, compiles = np.asarray(runner.encode(pixels, grid)[0]), runner.num_compiles
+    bias = jax_model.visual.merger.linear_fc2.bias
+    original = bias[...]
+    try:
+        bias[...] = original + 1.0
+        after = np.asarray(runner.encode(pixels, grid)[0])
+    finally:
+        bias[...] = original
+    np.testing.assert_allclose(after, before + 1.0, rtol=1e-5, atol=1e-5)
+    assert runner.num_compiles == compiles
