@@ -12,7 +12,7 @@ import functools
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["Linear", "LayerNorm", "RMSNorm", "rotate_half"]
+__all__ = ["Linear", "LayerNorm", "RMSNorm", "rotate_half", "apply_rotary"]
 
 
 Linear = nnx.Linear
@@ -39,3 +39,9 @@ def rotate_half(x: jnp.ndarray) -> jnp.ndarray:
     """`[x1, x2] -> [-x2, x1]` over the last axis (the rotate-half rotary layout)."""
     x1, x2 = jnp.split(x, 2, axis=-1)
     return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def apply_rotary(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+    """Rotate-half rotary in float32, cast back to x's dtype; cos/sin broadcast against x."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * cos + rotate_half(x32) * sin).astype(x.dtype)

@@ -19,7 +19,7 @@ from flax import nnx
 from pallas_kernels.attention import api as attention_api
 
 from .config import TextConfig
-from .layers import Linear, RMSNorm, rotate_half
+from .layers import Linear, RMSNorm, apply_rotary
 
 __all__ = ["TextModel", "mrope_channel_axes", "mrope_cos_sin"]
 
@@ -51,13 +51,6 @@ def mrope_cos_sin(positions: jnp.ndarray, config: TextConfig) -> tuple[jnp.ndarr
     return jnp.cos(full), jnp.sin(full)
 
 
-def apply_rotary(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """x `[B, L, H, D]`, cos/sin `[B, L, D]`; computed in float32, cast back."""
-    x32 = x.astype(jnp.float32)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    return (x32 * cos + rotate_half(x32) * sin).astype(x.dtype)
-
-
 class TextAttention(nnx.Module):
     def __init__(self, config: TextConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         self.config = config
@@ -77,6 +70,7 @@ class TextAttention(nnx.Module):
         q = self.q_norm(self.q_proj(x).reshape(b, length, -1, d))
         k = self.k_norm(self.k_proj(x).reshape(b, length, -1, d))
         v = self.v_proj(x).reshape(b, length, -1, d)
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, L, 1, D]: shared by the heads
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def attend(self, q, keys, values, mask, implementation: str):

@@ -28,7 +28,7 @@ from pallas_kernels.pos_embed import api as pos_embed_api
 from pallas_kernels.pos_embed.reference import interpolation_taps, merge_order_rows_cols
 
 from .config import VisionConfig
-from .layers import LayerNorm, Linear, rotate_half
+from .layers import LayerNorm, Linear, apply_rotary
 
 __all__ = ["VisionMetadata", "vision_metadata", "validate_vision_inputs", "VisionModel"]
 
@@ -155,8 +155,7 @@ class VisionAttention(nnx.Module):
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # [P, H, D]
         # Rotary in float32, cast back (HF's apply_rotary_pos_emb_vision).
         cos, sin = cos[:, None, :], sin[:, None, :]
-        q = (q.astype(jnp.float32) * cos + rotate_half(q.astype(jnp.float32)) * sin).astype(x.dtype)
-        k = (k.astype(jnp.float32) * cos + rotate_half(k.astype(jnp.float32)) * sin).astype(x.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attention_api.varlen_attention(q, k, v, segment_ids, implementation=implementation)
         return self.proj(out.reshape(patches, -1))
 
