@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from .._dispatch import IMPLEMENTATIONS, resolve
+from .._shapes import pow2_at_least
 from . import kernel, reference
 
 __all__ = [
@@ -27,7 +28,7 @@ __all__ = [
 
 
 def _kernel_dim(dim: int) -> int:
-    return max(16, kernel.pow2_at_least(dim))
+    return max(16, pow2_at_least(dim))
 
 
 def _pad_dim(x, width: int):

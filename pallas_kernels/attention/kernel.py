@@ -34,14 +34,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-__all__ = ["flash_attention", "decode_attention", "segment_intervals", "pow2_at_least", "dot_precision"]
+from .._shapes import pow2_at_least
+
+__all__ = ["flash_attention", "decode_attention", "segment_intervals", "dot_precision"]
 
 _MASKED = -1e30  # finite stand-in for -inf (no inf - inf = nan)
 _BIG = 2**30
-
-
-def pow2_at_least(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def dot_precision(dtype):

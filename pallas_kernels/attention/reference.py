@@ -16,14 +16,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from .._shapes import pow2_at_least
+
 __all__ = ["varlen_attention", "masked_attention", "causal_attention", "decode_attention", "segment_block_ranges"]
 
 # Finite stand-in for -inf: masked scores underflow to exactly 0 after exp without inf - inf = nan.
 _MASKED = -1e30
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def segment_block_ranges(segment_ids: jnp.ndarray, block: int) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -58,7 +56,7 @@ def varlen_attention(q, k, v, segment_ids, *, block_size: int = 256):
       `[S, H, D]` in q's dtype. Scores and softmax in float32, scale 1/sqrt(D).
     """
     size, heads, dim = q.shape
-    block = min(block_size, _pow2_at_least(size))
+    block = min(block_size, pow2_at_least(size))
     padded = -(-size // block) * block
     pad = padded - size
     segment_ids = segment_ids.astype(jnp.int32)

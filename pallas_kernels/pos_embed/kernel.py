@@ -19,13 +19,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from .._shapes import pow2_at_least
+
 __all__ = ["interpolate_pos_embed"]
 
 TAPS = 4
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def _kernel(idx_ref, w_ref, table_ref, out_ref):
@@ -53,8 +51,8 @@ def interpolate_pos_embed(table, indices, weights, *, block_tokens: int = 64, bl
     patches = indices.shape[0]
     if patches == 0:
         return jnp.zeros((0, dim), jnp.float32)
-    bd = min(block_dim, _pow2_at_least(max(dim, 16)))
-    bt = min(block_tokens, _pow2_at_least(max(patches, 16)))
+    bd = min(block_dim, pow2_at_least(max(dim, 16)))
+    bt = min(block_tokens, pow2_at_least(max(patches, 16)))
     dim_pad = -(-dim // bd) * bd
     patches_pad = -(-patches // bt) * bt
     if dim_pad != dim:
