@@ -289,6 +289,16 @@ def restore_orbax(directory: str | os.PathLike, abstract_tree_for):
     return config, restored.params
 
 
+def storage_dtype(name: str) -> np.dtype:
+    """The numpy dtype for a safetensors storage dtype name ("float32", "bfloat16", "float16")."""
+    import ml_dtypes
+
+    dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+    if name not in dtypes:
+        raise ValueError(f"storage dtype must be one of {sorted(dtypes)}, got {name!r}")
+    return np.dtype(dtypes[name])
+
+
 def write_safetensors(tensors: Mapping[str, np.ndarray], directory: str, max_shard_bytes: int | None = None) -> None:
     """`model.safetensors`, or shards of at most `max_shard_bytes` plus `model.safetensors.index.json`."""
     from safetensors.numpy import save_file
@@ -322,9 +332,7 @@ def save_hf(params: Mapping[str, np.ndarray], config: Qwen3VLConfig, directory: 
     os.makedirs(directory, exist_ok=True)
     tensors = export_hf_tensors(params, config)
     if dtype is not None:
-        import ml_dtypes
-
-        np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
+        np_dtype = storage_dtype(dtype)
         tensors = {k: v.astype(np_dtype) for k, v in tensors.items()}
     write_safetensors(tensors, directory, max_shard_bytes)
     hf_config = config.to_hf_dict()

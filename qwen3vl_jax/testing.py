@@ -190,15 +190,13 @@ def make_tiny_checkpoint(
       image_size, video_size: the processors' `size` ({"shortest_edge": min pixels,
         "longest_edge": max pixels}).
     """
-    import ml_dtypes
-
-    from .convert import export_hf_tensors, write_safetensors
+    from .convert import export_hf_tensors, storage_dtype, write_safetensors
 
     if rope_form not in ("v5", "legacy"):
         raise ValueError(f"rope_form must be 'v5' or 'legacy', got {rope_form!r}")
-    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}.get(dtype)
-    if np_dtype is None:
+    if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    np_dtype = storage_dtype(dtype)
     directory = os.fspath(path)
     os.makedirs(directory, exist_ok=True)
 
