@@ -185,6 +185,7 @@ class EncoderRunner:
         return [c for c in calls if c]
 
     def _call_inputs(self, pieces: list[_Piece], pixel_values: np.ndarray, budget: int):
+        """Pixels and metadata of one call, padded to `budget` merged tokens."""
         grid = np.asarray([[p.frames, p.h, p.w] for p in pieces])
         meta = vision_metadata(grid, self.config)
         rows = np.concatenate([np.arange(p.row_start, p.row_start + p.frames * p.h * p.w) for p in pieces])
@@ -199,7 +200,7 @@ class EncoderRunner:
             rotary_ids=np.pad(meta.rotary_ids, ((0, pad), (0, 0))),
             segment_ids=np.pad(meta.segment_ids, (0, pad), constant_values=-1),  # padding: its own segment
         )
-        return pixels, padded, real // self.config.merge_unit
+        return pixels, padded
 
     # ------------------------------------------------------------------ running
 
@@ -213,7 +214,7 @@ class EncoderRunner:
         for pieces in self.plan(grid):
             real = sum(p.frames * p.h * p.w for p in pieces) // self.config.merge_unit
             budget = self.budgets.fit(real)
-            pixels, meta, real = self._call_inputs(pieces, pixel_values, budget)
+            pixels, meta = self._call_inputs(pieces, pixel_values, budget)
             merged, deepstack = self._executable(budget)(state, pixels, meta)
             merged_parts.append(merged[:real])
             deepstack_parts.append(deepstack[:, :real])

@@ -100,10 +100,10 @@ def _request(processor, prompt: str, image=None, video=None):
 def _generate(model, inputs, args, timings=None, callback=None):
     import jax
 
-    keys = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw",
-            "pixel_values_videos", "video_grid_thw")
+    from .model import MODEL_INPUTS
+
     sample = args.temperature > 0
-    return model.generate(**{k: inputs[k] for k in keys if k in inputs}, max_new_tokens=args.max_new_tokens,
+    return model.generate(**{k: inputs[k] for k in MODEL_INPUTS if k in inputs}, max_new_tokens=args.max_new_tokens,
                           do_sample=sample, temperature=args.temperature if sample else 1.0,
                           rng=jax.random.key(args.seed), timings=timings, callback=callback)
 

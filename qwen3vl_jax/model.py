@@ -30,7 +30,11 @@ from .mrope import get_rope_index
 from .text import TextModel
 from .vision import VisionModel, VisionOutput, validate_vision_inputs, vision_metadata
 
-__all__ = ["Qwen3VL", "MultimodalInputs", "param_shapes", "count_params"]
+__all__ = ["Qwen3VL", "MultimodalInputs", "MODEL_INPUTS", "param_shapes", "count_params"]
+
+# The processor outputs the model reads (`__call__`, `prepare_inputs`, `generate`), in their order.
+MODEL_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw",
+                "pixel_values_videos", "video_grid_thw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,9 +380,14 @@ def _run_language_model(graphdef, state, inputs: MultimodalInputs, *, implementa
 # ---------------------------------------------------------------------- state helpers
 
 
+def _dotted(path) -> str:
+    """A pytree key path as our dotted parameter name, e.g. `visual.blocks.3.attn.qkv.kernel`."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
 def _flat_paths(state) -> list[tuple[str, object]]:
     leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
-    return [(".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), leaf) for path, leaf in leaves]
+    return [(_dotted(path), leaf) for path, leaf in leaves]
 
 
 def param_shapes(state) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -395,9 +404,7 @@ def count_params(model_or_state) -> int:
 def _fill_state(state, params: dict[str, np.ndarray]):
     pure = nnx.to_pure_dict(state)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(pure)
-    values = []
-    for path, leaf in leaves:
-        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-        values.append(jnp.asarray(params.pop(name), dtype=leaf.dtype))  # drop the host copy as we go
+    # Pop as we go, so each host copy is freed once its device array exists.
+    values = [jnp.asarray(params.pop(_dotted(path)), dtype=leaf.dtype) for path, leaf in leaves]
     nnx.replace_by_pure_dict(state, jax.tree_util.tree_unflatten(treedef, values))
     return state

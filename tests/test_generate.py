@@ -18,6 +18,7 @@ from scipy import stats
 
 from qwen3vl_jax import generate as gen
 from qwen3vl_jax.generate import COMPILE_COUNTS, GenerationConfig, select_tokens, warp_logits
+from qwen3vl_jax.model import MODEL_INPUTS
 
 NEW = 32
 
@@ -47,9 +48,7 @@ def gen_config(tiny_dir):
 
 def _inputs(processor, case):
     batch = hf_processor_batch(processor, CASES[case])
-    keys = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw",
-            "pixel_values_videos", "video_grid_thw")
-    return {k: batch[k] for k in keys if k in batch}
+    return {k: batch[k] for k in MODEL_INPUTS if k in batch}
 
 
 def _np(batch):

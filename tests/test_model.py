@@ -12,6 +12,7 @@ import torch
 from conftest import assert_close, hf_processor_batch, user_prompt
 
 from qwen3vl_jax import Qwen3VL
+from qwen3vl_jax.model import MODEL_INPUTS
 from qwen3vl_jax.mrope import get_rope_index
 from qwen3vl_jax.testing import make_tiny_checkpoint
 
@@ -39,9 +40,7 @@ def processor(hf_processor):
 
 
 def _model_inputs(batch):
-    keys = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw",
-            "pixel_values_videos", "video_grid_thw")
-    return {k: batch[k] for k in keys if k in batch}
+    return {k: batch[k] for k in MODEL_INPUTS if k in batch}
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -11,7 +11,7 @@ from conftest import assert_close
 from flax import nnx
 
 from qwen3vl_jax.buckets import EncoderRunner
-from qwen3vl_jax.model import _run_language_model
+from qwen3vl_jax.model import MODEL_INPUTS, _run_language_model
 from qwen3vl_jax.processing import Qwen3VLProcessor
 from qwen3vl_jax.pruning import retained_count
 
@@ -45,9 +45,7 @@ def _inputs(processor, parts_per_row, images=(), videos=(), pruning=None):
 
 
 def _model_kwargs(batch):
-    keys = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw",
-            "pixel_values_videos", "video_grid_thw")
-    return {k: batch[k] for k in keys if k in batch}
+    return {k: batch[k] for k in MODEL_INPUTS if k in batch}
 
 
 @pytest.mark.parametrize("method", ["evs", "vidcom2"])

@@ -94,6 +94,8 @@ def run_ablation(
     """Run every missing row, append it to `out_dir/ablation.jsonl`, then write the CSV and the plot."""
     from tqdm.auto import tqdm
 
+    from ..model import MODEL_INPUTS
+
     from . import validate_video_pruning
 
     for method in methods:
@@ -103,7 +105,6 @@ def run_ablation(
     done = {row.key: row for row in _read_rows(jsonl)}
     todo = [(v, m, float(r)) for v in videos for m in methods for r in rates
             if (v, m, float(r)) not in done and not (r == 0 and m != methods[0])]
-    keys = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values_videos", "video_grid_thw")
     baselines: dict[str, tuple] = {}
 
     def inputs_for(name, pruning):
@@ -114,7 +115,7 @@ def run_ablation(
         meta = None if isinstance(video, (str, os.PathLike)) else [{"fps": fps, "total_num_frames": len(video)}]
         batch = processor(text=[text], videos=[video], video_metadata=meta, return_tensors="np",
                           video_pruning=pruning)
-        return {k: batch[k] for k in keys}
+        return {k: batch[k] for k in MODEL_INPUTS if k in batch}
 
     def run(name, pruning):
         batch = inputs_for(name, pruning)
