@@ -26,43 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .shapes import Buckets
 from .vision import VisionMetadata, validate_vision_inputs, vision_metadata
 
 __all__ = ["Buckets", "EncoderRunner", "BucketStats"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Buckets:
-    """An ascending ladder of sizes; `fit(n)` is the smallest one that holds n."""
-
-    sizes: tuple[int, ...]
-
-    def __post_init__(self):
-        sizes = tuple(sorted(set(int(s) for s in self.sizes)))
-        if not sizes or sizes[0] <= 0:
-            raise ValueError(f"bucket sizes must be positive, got {self.sizes}")
-        object.__setattr__(self, "sizes", sizes)
-
-    @classmethod
-    def doubling(cls, smallest: int, largest: int) -> "Buckets":
-        """smallest, 2*smallest, 4*smallest, ... up to and including `largest`."""
-        if largest < smallest:
-            raise ValueError(f"largest bucket {largest} is below the smallest {smallest}")
-        sizes, size = [], smallest
-        while size < largest:
-            sizes.append(size)
-            size *= 2
-        return cls(tuple(sizes) + (largest,))
-
-    @property
-    def largest(self) -> int:
-        return self.sizes[-1]
-
-    def fit(self, n: int) -> int:
-        for size in self.sizes:
-            if n <= size:
-                return size
-        raise ValueError(f"{n} exceeds the largest bucket {self.largest}")
 
 
 @dataclasses.dataclass

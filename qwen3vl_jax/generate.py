@@ -1,17 +1,19 @@
-"""Autoregressive generation: bucketed prefill, a donated KV cache, greedy and sampled decoding.
+"""Autoregressive generation: bucketed prefill, a donated KV cache, decoding in on-device chunks.
 
-Data path (DESIGN.md section 1, the last two stages):
+Data path (DESIGN: the last two stages):
 
 ```
 Qwen3VL.prepare_inputs (host + vision jit)  -> MultimodalInputs, length L
   -> host: left-pad to a length bucket P (`prompt_buckets`: 32, 64, ... up to the context length),
      positions of the padding = 0
   -> jit _embed: token embeddings with visual features spliced in, deepstack additions
-  -> jit _prefill(P): all decoder layers over P tokens, deepstack after layers 0..K-1, K/V written
-     into a preallocated cache [layers, B, S, G, D], first token selected
-  -> jit _decode_step (cache donated): one token per row at cache slot P + t, mRoPE position
-     `last prompt position + 1 + t` on all three axes, next token selected
-  -> host: EOS bookkeeping as HF's `GenerationMixin._sample` (finished rows emit the pad id)
+  -> jit _prefill(P): the decoder (`TextModel`, the model's one forward) over P tokens, writing a
+     fresh cache [layers, B, S, G, D] from slot 0; first token selected
+  -> jit _decode_chunk (cache donated): a `lax.while_loop` of up to `decode_chunk` steps on the
+     device, each one token per row at cache slot P + t through the same `TextModel` forward, mRoPE
+     position `last prompt position + 1 + t` on all three axes, next token selected, EOS handled
+     (finished rows emit the pad id; the loop stops when every row has finished)
+  -> host: one synchronization per chunk (streaming callbacks, the stop test)
 ```
 
 Positions mirror HF v5 `generate` exactly, which is not what a plain forward uses: for text-only
@@ -20,17 +22,15 @@ prompts HF's `_prepare_position_ids_for_generation` uses `attention_mask.cumsum(
 Each decode step then takes `position_ids[..., -1:] + 1` (`_update_model_kwargs_for_generation`),
 i.e. the prompt's last position + 1 + t = (real tokens + rope delta) + t, on all three axes. With
 left padding the last prompt column is always a real token, which is why batches must be
-left-padded. (Rotary is relative, so a constant per-row shift of all positions only changes
-rounding; what greedy parity really needs is that decode continues each row's own positions,
-which the HF tests catch: an off-by-three start fails them.)
+left-padded.
 
 Compile discipline: prefill compiles once per (bucket, batch, cache length, with/without
-deepstack), decode once per (batch, cache length). `COMPILE_COUNTS` counts traces (a trace precedes
-every compile), so tests can assert that five prompts inside one bucket trace prefill and decode
-once each. `warmup` traces every bucket ahead of time.
+deepstack), a decode chunk once per (batch, cache length, chunk size). `COMPILE_COUNTS` counts
+traces (a trace precedes every compile), so tests can assert that five prompts inside one bucket
+trace prefill and decode once each. `warmup` traces every bucket ahead of time.
 
 Axes: B batch, L prompt tokens, P bucketed prompt length, S cache slots, E hidden, H query heads,
-G kv heads, D head dim, V vocabulary, N layers, K deepstack levels.
+G kv heads, D head dim, V vocabulary, N layers, K deepstack levels, C tokens per decode chunk.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ import collections
 import dataclasses
 import functools
 import json
+import math
+import numbers
 import os
 import time
 from typing import Callable, Sequence
@@ -48,8 +50,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .buckets import Buckets
-from .text import mrope_cos_sin
+from pallas_kernels.attention.mask import AttentionMask
+
+from .shapes import Buckets
+from .text import KVCache
 
 __all__ = [
     "generate",
@@ -61,6 +65,7 @@ __all__ = [
     "warp_logits",
     "select_tokens",
     "warmup",
+    "DECODE_CHUNK",
 ]
 
 COMPILE_COUNTS: collections.Counter = collections.Counter()
@@ -68,6 +73,8 @@ COMPILE_COUNTS: collections.Counter = collections.Counter()
 
 MIN_BUCKET = 32
 CACHE_ROUND = 32  # decode slots are rounded up to this so nearby max_new_tokens share a compile
+DECODE_CHUNK = 16  # decode steps per device call (one host synchronization each)
+EOS_SLOTS = 8
 
 
 def prompt_buckets(config, min_bucket: int = MIN_BUCKET) -> Buckets:
@@ -166,57 +173,72 @@ def _embed(graphdef, state, inputs):
     return model.embed(inputs)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "implementation", "slots", "do_sample"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "slots", "do_sample"))
 def _prefill(graphdef, state, embeds, deepstack, positions, attention_mask, key, temperature, top_k, top_p, *,
-             implementation, slots, do_sample):
-    """Prompt pass over the bucket: (first tokens [B], logits [B, V], cache (k, v) [N, B, S, G, D])."""
+             slots, do_sample):
+    """Prompt pass over the (left-padded) bucket: (first tokens [B], logits [B, V], a fresh KVCache)."""
     COMPILE_COUNTS["prefill"] += 1
     model = nnx.merge(graphdef, state)
     lm = model.language_model
     b, length, _ = embeds.shape
-    cos, sin = mrope_cos_sin(positions, lm.config)
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    mask = causal[None] & attention_mask[:, None, :]
-    x = embeds
-    keys, values = [], []
-    for index, layer in enumerate(lm.layers):
-        q, k, v = layer.qkv(x, cos, sin)
-        x = layer.finish(x, q, k, v, mask, implementation)
-        keys.append(k)
-        values.append(v)
-        if deepstack is not None and index < deepstack.shape[0]:
-            x = x + deepstack[index].astype(x.dtype)
-    logits = model.logits(lm.norm(x[:, -1]))
-    pad = ((0, 0), (0, 0), (0, slots - length), (0, 0), (0, 0))
-    cache = (jnp.pad(jnp.stack(keys), pad), jnp.pad(jnp.stack(values), pad))
+    cache = KVCache.empty(lm.config, b, slots, embeds.dtype)
+    starts = length - jnp.sum(attention_mask, axis=1, dtype=jnp.int32)  # left padding: real tokens end the row
+    mask = AttentionMask.causal(starts, jnp.full((b,), length, jnp.int32), length)
+    out = lm(embeds, positions, mask, deepstack, cache=cache, cache_index=0,
+             implementation=model.attention_implementation)
+    logits = model.logits(out.hidden[:, -1])
     tokens = select_tokens(logits, jax.random.fold_in(key, 0), temperature, top_k, top_p, do_sample=do_sample)
-    return tokens, logits, cache
+    return tokens, logits, out.cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "implementation", "do_sample"),
-                   donate_argnames=("cache",))
-def _decode_step(graphdef, state, cache, tokens, positions, index, key_mask, key, step, temperature, top_k,
-                 top_p, *, implementation, do_sample):
-    """One token per row. tokens `[B]`, positions `[3, B]`, index: the cache slot written,
-    key_mask `[B, S]` (prompt mask, True beyond the prompt). Returns (next tokens, logits, cache)."""
+@dataclasses.dataclass(frozen=True)
+class _DecodeState:
+    """What a decode chunk carries: the cache, the last emitted tokens `[B]`, the tokens emitted so far
+    `t`, and which rows are still unfinished `[B]`."""
+
+    cache: KVCache
+    tokens: jax.Array
+    step: jax.Array
+    unfinished: jax.Array
+
+
+jax.tree_util.register_dataclass(_DecodeState, data_fields=["cache", "tokens", "step", "unfinished"],
+                                 meta_fields=[])
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk", "do_sample"), donate_argnames=("decode",))
+def _decode_chunk(graphdef, state, decode: _DecodeState, prompt_starts, bucket, first_position, limit, eos_ids,
+                  pad_id, key, temperature, top_k, top_p, *, chunk, do_sample):
+    """Up to `chunk` decode steps on the device, stopping early at `limit` tokens or when every row
+    has finished. Step t feeds the token emitted at t - 1 into cache slot `bucket + t - 1` at position
+    `first_position + t - 1` (`[3, B]`). Returns (state, tokens `[B, chunk]`, tokens made)."""
     COMPILE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, state)
     lm = model.language_model
-    cache_k, cache_v = cache
-    slots = cache_k.shape[2]
-    x = lm.embed_tokens(tokens[:, None])
-    cos, sin = mrope_cos_sin(positions[:, :, None], lm.config)
-    mask = (key_mask & (jnp.arange(slots) <= index)[None])[:, None, :]  # [B, 1, S]
-    for i, layer in enumerate(lm.layers):
-        q, k, v = layer.qkv(x, cos, sin)
-        # write the new slot into the stacked (donated) cache in place, then read this layer's keys
-        cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), (i, 0, index, 0, 0))
-        cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), (i, 0, index, 0, 0))
-        x = layer.finish(x, q, cache_k[i], cache_v[i], mask, implementation)
-    logits = model.logits(lm.norm(x[:, 0]))
-    next_tokens = select_tokens(logits, jax.random.fold_in(key, step), temperature, top_k, top_p,
-                                do_sample=do_sample)
-    return next_tokens, logits, (cache_k, cache_v)
+    batch = decode.tokens.shape[0]
+
+    def step(carry):
+        decode, out, made = carry
+        index = bucket + decode.step - 1
+        x = lm.embed_tokens(decode.tokens[:, None])
+        positions = (first_position + decode.step - 1)[:, :, None]  # [3, B, 1]
+        mask = AttentionMask.causal(prompt_starts, jnp.full((batch,), index + 1, jnp.int32), 1, offset=index)
+        result = lm(x, positions, mask, None, cache=decode.cache, cache_index=index,
+                    implementation=model.attention_implementation)
+        logits = model.logits(result.hidden[:, 0])
+        new = select_tokens(logits, jax.random.fold_in(key, decode.step), temperature, top_k, top_p,
+                            do_sample=do_sample)
+        new = jnp.where(decode.unfinished, new, pad_id)  # HF: finished rows emit the pad id
+        unfinished = decode.unfinished & ~jnp.isin(new, eos_ids)
+        out = jax.lax.dynamic_update_index_in_dim(out, new, made, 1)
+        return _DecodeState(result.cache, new, decode.step + 1, unfinished), out, made + 1
+
+    def going(carry):
+        decode, _, made = carry
+        return (made < chunk) & (decode.step < limit) & jnp.any(decode.unfinished)
+
+    out = jnp.zeros((batch, chunk), jnp.int32)
+    return jax.lax.while_loop(going, step, (decode, out, jnp.int32(0)))
 
 
 # ---------------------------------------------------------------------- host driver
@@ -264,6 +286,28 @@ def _resolve_ids(model, eos_token_id, pad_token_id) -> tuple[tuple[int, ...], in
     return eos, int(pad_token_id)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_arguments(max_new_tokens, do_sample, temperature, top_k, top_p, rng, decode_chunk) -> None:
+    """Refuse bad generation arguments before any work is done (each error names the argument)."""
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not _is_int(decode_chunk) or decode_chunk < 1:
+        raise ValueError(f"decode_chunk must be an integer >= 1, got {decode_chunk!r}")
+    if not isinstance(do_sample, (bool, np.bool_)):
+        raise ValueError(f"do_sample must be True or False, got {do_sample!r}")
+    if not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if not _is_int(top_k) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    if not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be a number in (0, 1] (1 = off), got {top_p!r}")
+    if do_sample and rng is None:
+        raise ValueError("do_sample=True needs an explicit PRNG key: pass rng=jax.random.key(seed)")
+
+
 def generate(
     model,
     input_ids,
@@ -284,9 +328,12 @@ def generate(
     pad_token_id: int | None = None,
     callback: Callable[[int, np.ndarray], None] | None = None,
     min_bucket: int = MIN_BUCKET,
+    decode_chunk: int = DECODE_CHUNK,
     timings: dict | None = None,
     video_pruning: tuple[str, float] | None = None,
     vision_encoder=None,
+    video_timestamps=None,
+    video_metadata=None,
 ) -> np.ndarray:
     """Generate up to `max_new_tokens` per row, as HF's `generate` returns them.
 
@@ -294,38 +341,42 @@ def generate(
       model: a `Qwen3VL`.
       input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw, pixel_values_videos,
         video_grid_thw: as `Qwen3VL.__call__` (processor outputs). Batches must be left-padded.
-      max_new_tokens: generated tokens per row at most.
+      max_new_tokens: generated tokens per row at most; prompt + max_new_tokens must fit the
+        context length (`max_position_embeddings`).
       do_sample: False = greedy. Otherwise sample from `warp_logits(logits, temperature, top_k, top_p)`
         with `rng` (a `jax.random` key, required); the draw for token t uses `fold_in(rng, t)`, so a
         fixed key gives a fixed output.
+      temperature: finite, > 0. top_k: integer >= 0 (0 = off). top_p: in (0, 1] (1 = off).
       eos_token_id: int or ids that finish a row; default: `model.generation_config` if set
         (a `GenerationConfig` or its dict), else none. `GenerationConfig.from_pretrained(dir)` reads a
         checkpoint's `generation_config.json`.
       pad_token_id: emitted after a row has finished (HF's rule); default: the generation config's,
         else the first EOS id.
-      callback: called as `callback(t, tokens [B])` for each generated position t (streaming);
-        finished rows carry the pad id.
-      min_bucket: the smallest prompt bucket.
+      callback: called as `callback(t, tokens [B])` for each generated position t (streaming; the
+        tokens of a decode chunk arrive together); finished rows carry the pad id.
+      min_bucket: the smallest prompt bucket. decode_chunk: decode steps per device call.
       video_pruning, vision_encoder: as `Qwen3VL.prepare_inputs` (pruned video prompts; a bucketed encoder).
+      video_timestamps, video_metadata: processor outputs that generation does not need (accepted).
       timings: if a dict, filled with wall seconds per stage (each stage synchronized):
         "prepare" (host bookkeeping + vision encoder), "prefill", "decode", and "new_tokens".
     Returns:
       `[B, L + n]` int64 numpy: the prompt then n <= max_new_tokens generated tokens; n is shorter
       than max_new_tokens only when every row has hit an EOS id.
     """
-    if do_sample and rng is None:
-        raise ValueError("do_sample=True needs an explicit PRNG key: pass rng=jax.random.key(seed)")
-    if do_sample and not temperature > 0:
-        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    _check_arguments(max_new_tokens, do_sample, temperature, top_k, top_p, rng, decode_chunk)
     ids = np.asarray(input_ids)
     mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
-    if ids.ndim != 2 or ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be [batch, length>0], got shape {ids.shape}")
+    if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a non-empty [batch, length] array, got shape {ids.shape}")
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
     if not mask[:, -1].all():
         raise ValueError("batches must be left-padded: the last prompt column has padding "
                          "(use the processor's padding_side='left')")
+    context = model.config.text.max_position_embeddings
+    if ids.shape[1] + max_new_tokens > context:
+        raise ValueError(f"a prompt of {ids.shape[1]} tokens plus max_new_tokens={max_new_tokens} exceeds the "
+                         f"model's context length (max_position_embeddings = {context})")
     eos, pad_id = _resolve_ids(model, eos_token_id, pad_token_id)
     rng = jax.random.key(0) if rng is None else rng
     sampling = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
@@ -336,40 +387,37 @@ def generate(
                                   vision_encoder=vision_encoder)
     clock.lap("prepare", inputs)
     inputs = _generation_positions(inputs)
-    start = np.asarray(inputs.positions[:, :, -1], np.int32) + 1  # [3, B]: HF's position_ids[..., -1:] + 1
+    first_position = jnp.asarray(inputs.positions[:, :, -1] + 1, jnp.int32)  # [3, B]: HF's position_ids[..., -1:] + 1
     bucket = bucket_length(ids.shape[1], model.config.text, min_bucket)
     inputs = _pad_left(inputs, bucket, pad_id)
     slots = cache_length(bucket, max_new_tokens)
     graphdef, state = nnx.split(model)
-    impl = model.attention_implementation
 
     embeds, deepstack = _embed(graphdef, state, inputs)
     tokens, _, cache = _prefill(graphdef, state, embeds, deepstack, inputs.positions, inputs.attention_mask,
-                                rng, *sampling, implementation=impl, slots=slots, do_sample=do_sample)
-    key_mask = jnp.pad(inputs.attention_mask, ((0, 0), (0, slots - bucket)), constant_values=True)
+                                rng, *sampling, slots=slots, do_sample=do_sample)
+    prompt_starts = jnp.asarray(bucket - mask.sum(axis=1), jnp.int32)
     clock.lap("prefill", tokens)
 
-    batch = ids.shape[0]
-    eos_arr = np.asarray(eos, np.int64)
-    unfinished = np.ones(batch, bool)
-    generated = []
-    fed = None  # the tokens the next decode step consumes (the previous step's output)
-    for t in range(max_new_tokens):
-        if t > 0:
-            tokens, _, cache = _decode_step(
-                graphdef, state, cache, jnp.asarray(fed, jnp.int32), jnp.asarray(start + (t - 1)),
-                jnp.int32(bucket + t - 1), key_mask, rng, jnp.int32(t), *sampling,
-                implementation=impl, do_sample=do_sample)
-        new = np.asarray(tokens).astype(np.int64)
-        new = np.where(unfinished, new, pad_id)  # HF: finished rows emit the pad id
-        generated.append(new)
-        if callback is not None:
-            callback(t, new)
-        unfinished &= ~np.isin(new, eos_arr)
-        if not unfinished.any():
-            break
-        fed = new
-    clock.lap("decode", None)  # the loop already synchronized on every step's tokens
+    # A fixed number of EOS slots (-1 is no token id), so the EOS count does not change the compile.
+    eos_ids = np.full(max(EOS_SLOTS, len(eos)), -1, np.int32)
+    eos_ids[:len(eos)] = eos
+    first = np.asarray(tokens).astype(np.int64)
+    generated = [first]
+    if callback is not None:
+        callback(0, first)
+    decode = _DecodeState(cache, jnp.asarray(first, jnp.int32), jnp.int32(1),
+                          jnp.asarray(~np.isin(first, np.asarray(eos, np.int64))))
+    while len(generated) < max_new_tokens and bool(np.asarray(decode.unfinished).any()):
+        decode, chunk, made = _decode_chunk(
+            graphdef, state, decode, prompt_starts, jnp.int32(bucket), first_position, jnp.int32(max_new_tokens),
+            eos_ids, jnp.int32(pad_id), rng, *sampling, chunk=decode_chunk, do_sample=do_sample)
+        chunk = np.asarray(chunk)[:, :int(made)].astype(np.int64)  # the chunk's one synchronization
+        for column in chunk.T:
+            if callback is not None:
+                callback(len(generated), column)
+            generated.append(column)
+    clock.lap("decode", None)  # the loop already synchronized on every chunk's tokens
     if timings is not None:
         timings["new_tokens"] = len(generated)
     return np.concatenate([ids.astype(np.int64), np.stack(generated, axis=1)], axis=1)
@@ -393,11 +441,11 @@ class _StageClock:
 
 
 def warmup(model, *, batch_size: int = 1, buckets: Sequence[int] = (32, 64, 128, 256, 512, 1024),
-           max_new_tokens: int = 32, do_sample: bool = False, visual: bool = False) -> None:
-    """Trace and compile prefill (text-only, or with deepstack when `visual`) and decode for each bucket."""
+           max_new_tokens: int = 32, do_sample: bool = False, visual: bool = False,
+           decode_chunk: int = DECODE_CHUNK) -> None:
+    """Trace and compile prefill (text-only, or with deepstack when `visual`) and a decode chunk per bucket."""
     graphdef, state = nnx.split(model)
     cfg = model.config.text
-    impl = model.attention_implementation
     dtype = model.language_model.embed_tokens.embedding[...].dtype
     sampling = (jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0))
     key = jax.random.key(0)
@@ -409,7 +457,8 @@ def warmup(model, *, batch_size: int = 1, buckets: Sequence[int] = (32, 64, 128,
         positions = jnp.zeros((3, batch_size, bucket), jnp.int32)
         mask = jnp.ones((batch_size, bucket), bool)
         tokens, _, cache = _prefill(graphdef, state, embeds, deepstack, positions, mask, key, *sampling,
-                                    implementation=impl, slots=slots, do_sample=do_sample)
-        key_mask = jnp.ones((batch_size, slots), bool)
-        _decode_step(graphdef, state, cache, tokens, positions[:, :, 0], jnp.int32(bucket), key_mask, key,
-                     jnp.int32(1), *sampling, implementation=impl, do_sample=do_sample)
+                                    slots=slots, do_sample=do_sample)
+        decode = _DecodeState(cache, tokens, jnp.int32(1), jnp.ones((batch_size,), bool))
+        _decode_chunk(graphdef, state, decode, jnp.zeros((batch_size,), jnp.int32), jnp.int32(bucket),
+                      positions[:, :, 0], jnp.int32(2), jnp.full((EOS_SLOTS,), -1, jnp.int32), jnp.int32(0), key, *sampling,
+                      chunk=decode_chunk, do_sample=do_sample)

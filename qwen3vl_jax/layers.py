@@ -3,16 +3,27 @@
 Numerics follow HF: LayerNorm statistics in float32 with the two-pass variance (Flax's default
 fast variance E[x^2] - E[x]^2 loses digits that torch keeps); RMSNorm normalizes in float32,
 casts back, then scales; rotary is applied by the callers in float32.
+
+Layer stacks (`make_stack` / `run_stack`): a tower's repeated blocks are either a list of modules
+(one parameter per block; unrolled) or one module whose parameters carry a leading block axis
+(built with `nnx.vmap`, run under `lax.scan`, so compile time does not grow with depth). The
+choice is a runtime option: both layouts hold the same numbers, and the converter and Orbax see
+one canonical per-block naming (`model.py`). On a CPU, XLA copies a stacked parameter's slice
+before each matmul, so memory-bound decoding prefers the list; on deep models compile time
+prefers the stack.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["Linear", "LayerNorm", "RMSNorm", "rotate_half", "apply_rotary"]
+__all__ = ["Linear", "LayerNorm", "RMSNorm", "rotate_half", "apply_rotary", "make_stack", "run_stack",
+           "SCAN_MIN_DEPTH", "use_scan"]
 
 
 Linear = nnx.Linear
@@ -45,3 +56,66 @@ def apply_rotary(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndar
     """Rotate-half rotary in float32, cast back to x's dtype; cos/sin broadcast against x."""
     x32 = x.astype(jnp.float32)
     return (x32 * cos + rotate_half(x32) * sin).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------- layer stacks
+
+SCAN_MIN_DEPTH = 16
+"""`scan_layers=None` scans a tower of at least this many blocks (every full-size preset)."""
+
+
+def use_scan(scan_layers: bool | None, depth: int) -> bool:
+    """Resolve the `scan_layers` option for a tower of `depth` blocks (None: by depth)."""
+    if scan_layers is None:
+        return depth >= SCAN_MIN_DEPTH
+    if not isinstance(scan_layers, bool):
+        raise ValueError(f"scan_layers must be True, False or None (by depth), got {scan_layers!r}")
+    return scan_layers
+
+
+def make_stack(factory: Callable[[nnx.Rngs], nnx.Module], count: int, scan: bool, rngs: nnx.Rngs):
+    """`count` blocks from `factory(rngs)`: an `nnx.List`, or (scan) one module with stacked parameters."""
+    if not scan:
+        return nnx.List([factory(rngs) for _ in range(count)])
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=count)
+    def create(block_rngs):
+        return factory(block_rngs)
+
+    return create(rngs)
+
+
+def run_stack(blocks, step: Callable, carry, *, scan: bool, remat: bool = False, collect: bool = False):
+    """Run `carry = step(block, carry, index)` over the blocks; returns `(carry, outputs)`.
+
+    `step` returns `(carry, output)`; outputs (only when `collect`) are stacked along a new leading
+    axis. `index` is a Python int when unrolled and a traced int32 under `lax.scan`, so a step can
+    branch statically when it can. `remat` recomputes each block's activations in the backward pass
+    (`jax.checkpoint` per block).
+    """
+
+    def apply(graphdef, params, carry, index):
+        carry, out = step(nnx.merge(graphdef, params), carry, index)
+        return carry, (out if collect else None)
+
+    if scan:
+        graphdef, params = nnx.split(blocks)
+        count = jax.tree.leaves(params)[0].shape[0]
+
+        def body(carry, xs):
+            params_i, index = xs
+            return apply(graphdef, params_i, carry, index)
+
+        if remat:
+            body = jax.checkpoint(body)
+        return jax.lax.scan(body, carry, (params, jnp.arange(count, dtype=jnp.int32)))
+    outputs = []
+    for index, block in enumerate(blocks):
+        graphdef, params = nnx.split(block)
+        fn = jax.checkpoint(apply, static_argnums=(0, 3)) if remat else apply
+        carry, out = fn(graphdef, params, carry, index)
+        outputs.append(out)
+    if not collect:
+        return carry, None
+    return carry, jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)

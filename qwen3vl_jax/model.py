@@ -5,6 +5,19 @@ safetensors) through the strict converter. `encode_vision(pixel_values, grid_thw
 tower under `jit` on host-computed metadata and returns HF's `pooler_output` and
 `deepstack_features` as `(merged [N, O], deepstack [L, N, O])`.
 
+A forward is two steps, so that the second can be jitted and differentiated:
+
+- `prepare_inputs(**processor outputs)` (host, numpy): validation, mRoPE positions, which encoder
+  row fills each visual position, the vision tower's grid metadata, and (with video pruning) the
+  selection of the kept tokens. By default it also encodes the pixels; `encode=False` leaves the
+  encoding to the forward.
+- `forward(inputs)` (device; jit / grad friendly): encodes the pixels if needed, splices the visual
+  features in, runs the decoder (`text.TextModel`, the same code as prefill and decoding) and the LM
+  head. `model(**processor outputs)` is both.
+
+Parameters are stored per block (`nnx.List`) or stacked (`scan_layers`); the converter and Orbax
+always see the canonical per-block names (`canonical_params`, `load_canonical`).
+
 Attribute names mirror HF (`visual.blocks[i].attn.qkv`, `language_model.layers[i].self_attn.q_proj`,
 `lm_head`) so the converter in `convert.py` is a table of renames plus named transforms.
 """
@@ -20,32 +33,41 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.attention.mask import AttentionMask
+
 from . import pruning as pruning_lib
 from .config import Qwen3VLConfig
 from .convert import is_orbax_dir, load_hf_params, restore_orbax, save_hf, save_orbax
 from .generate import GenerationConfig
 from .generate import generate as generate_tokens
-from .layers import Linear
+from .layers import Linear, use_scan
 from .mrope import get_rope_index
 from .text import TextModel
-from .vision import VisionModel, VisionOutput, validate_vision_inputs, vision_metadata
+from .vision import VisionMetadata, VisionModel, VisionOutput, validate_vision_inputs, vision_metadata
 
-__all__ = ["Qwen3VL", "MultimodalInputs", "MODEL_INPUTS", "param_shapes", "count_params"]
+__all__ = ["Qwen3VL", "MultimodalInputs", "MODEL_INPUTS", "PROCESSOR_EXTRAS", "param_shapes", "count_params",
+           "canonical_params", "causal_padding_mask"]
 
 # The processor outputs the model reads (`__call__`, `prepare_inputs`, `generate`), in their order.
 MODEL_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw",
                 "pixel_values_videos", "video_grid_thw")
+# Processor outputs the model accepts and does not need (the timestamps are already in the text).
+PROCESSOR_EXTRAS = ("video_timestamps", "video_metadata")
 
 
 @dataclasses.dataclass(frozen=True)
 class MultimodalInputs:
-    """A prompt batch ready for the language model (all arrays; a pytree).
+    """A prompt batch ready for `Qwen3VL.forward` (all arrays; a pytree).
 
-    input_ids: `[B, L]` int32. attention_mask: `[B, L]` bool (False = padding).
+    input_ids: `[B, L]` int32. attention_mask: `[B, L]` bool (False = padding; each row's real
+      tokens are one contiguous run).
     positions: `[3, B, L]` int32 mRoPE positions; rope_deltas: `[B, 1]` int32 (decode offset).
-    visual_index: `[B, L]` int32 row of `features` spliced in at each position, -1 for text.
-    features: `[N, E]` merged visual features (images then videos), or None for text-only.
+    visual_index: `[B, L]` int32 row of the encoder output spliced in at each position, -1 for text
+      (images then videos, unpruned rows: a pruned token is simply never referenced).
+    features: `[N, E]` merged visual features, or None (text only, or not encoded yet).
     deepstack: `[K, N, E]` deepstack features, or None.
+    pixel_values: `[P, C*T*p*p]` float32 patches of all images then videos, or None once encoded.
+    vision: the tower's `VisionMetadata` for `pixel_values`, or None.
     """
 
     input_ids: jnp.ndarray
@@ -53,15 +75,28 @@ class MultimodalInputs:
     positions: jnp.ndarray
     rope_deltas: jnp.ndarray
     visual_index: jnp.ndarray
-    features: jnp.ndarray | None
-    deepstack: jnp.ndarray | None
+    features: jnp.ndarray | None = None
+    deepstack: jnp.ndarray | None = None
+    pixel_values: jnp.ndarray | None = None
+    vision: VisionMetadata | None = None
 
 
 jax.tree_util.register_dataclass(
     MultimodalInputs,
-    data_fields=["input_ids", "attention_mask", "positions", "rope_deltas", "visual_index", "features", "deepstack"],
+    data_fields=["input_ids", "attention_mask", "positions", "rope_deltas", "visual_index", "features", "deepstack",
+                 "pixel_values", "vision"],
     meta_fields=[],
 )
+
+
+def causal_padding_mask(attention_mask) -> AttentionMask:
+    """The decoder's `AttentionMask` for a padded batch `[B, L]` whose real tokens are one run per row."""
+    mask = jnp.asarray(attention_mask).astype(bool)
+    length = mask.shape[1]
+    any_real = jnp.any(mask, axis=1)
+    starts = jnp.where(any_real, jnp.argmax(mask, axis=1), 0)
+    ends = jnp.where(any_real, length - jnp.argmax(mask[:, ::-1], axis=1), 0)
+    return AttentionMask.causal(starts, ends, length)
 
 
 class Qwen3VL(nnx.Module):
@@ -72,18 +107,26 @@ class Qwen3VL(nnx.Module):
       dtype: compute dtype; `param_dtype` (default: `dtype`) is the storage dtype. Norms, softmax,
         rotary and the position-embedding interpolation run in float32 regardless.
       attention_implementation: "xla" (the pure-jnp specs), "pallas" (the Triton kernels; interpret
-        mode off-GPU) or "auto" (Pallas on a GPU, XLA elsewhere). A runtime option, not architecture.
+        mode off-GPU) or "auto" (Pallas on a GPU, XLA elsewhere).
+      scan_layers: stack each tower's block parameters and run the blocks under `lax.scan` (compile
+        time flat in depth). None (default): per tower, when it has >= `layers.SCAN_MIN_DEPTH` blocks
+        (every full-size preset; not the tiny test model).
+      remat: recompute each block's activations in the backward pass (training memory).
+    The last three are runtime options, not architecture.
     """
 
     def __init__(self, config: Qwen3VLConfig, *, dtype=jnp.float32, param_dtype=None,
-                 attention_implementation: str = "auto", rngs: nnx.Rngs):
+                 attention_implementation: str = "auto", scan_layers: bool | None = None, remat: bool = False,
+                 rngs: nnx.Rngs):
         param_dtype = param_dtype or dtype
         self.config = config
         self.dtype = dtype
         self.attention_implementation = attention_implementation
         self.generation_config = GenerationConfig()  # EOS / pad ids; from_pretrained reads the checkpoint's
-        self.visual = VisionModel(config.vision, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.language_model = TextModel(config.text, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, remat=bool(remat), rngs=rngs)
+        self.visual = VisionModel(config.vision, scan_layers=use_scan(scan_layers, config.vision.depth), **kw)
+        self.language_model = TextModel(
+            config.text, scan_layers=use_scan(scan_layers, config.text.num_hidden_layers), **kw)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.text.hidden_size, config.text.vocab_size, use_bias=False, dtype=dtype,
                                   param_dtype=param_dtype, rngs=rngs)
@@ -97,49 +140,50 @@ class Qwen3VL(nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
-                        attention_implementation: str = "auto", progress: bool = False) -> "Qwen3VL":
+                        attention_implementation: str = "auto", scan_layers: bool | None = None,
+                        remat: bool = False, progress: bool = False) -> "Qwen3VL":
         """Load an HF checkpoint directory (config.json + safetensors) or one written by `save_orbax`.
 
         HF weights are read one shard at a time and cast to `param_dtype` (default `dtype`); an Orbax
-        checkpoint is restored against the abstract model, so shapes and dtypes are checked.
+        checkpoint is restored against the abstract model, so shapes and dtypes are checked. Either
+        loads into either parameter layout (`scan_layers`).
         """
-        kwargs = dict(dtype=dtype, param_dtype=param_dtype, attention_implementation=attention_implementation)
+        kwargs = dict(dtype=dtype, param_dtype=param_dtype, attention_implementation=attention_implementation,
+                      scan_layers=scan_layers, remat=remat)
         if is_orbax_dir(path):
-            def target(config):
-                abstract_state = nnx.state(cls.abstract(config, **kwargs), nnx.Param)
-                return nnx.to_pure_dict(abstract_state)
+            def target(config):  # Orbax holds the canonical per-block layout
+                abstract = cls.abstract(config, **{**kwargs, "scan_layers": False})
+                return nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
 
             config, pure = restore_orbax(path, target)
-            graphdef, state = nnx.split(cls.abstract(config, **kwargs))
-            nnx.replace_by_pure_dict(state, pure)
-            model = nnx.merge(graphdef, state)
-            model.generation_config = GenerationConfig.from_pretrained(path)
-            return model
-        config = Qwen3VLConfig.from_hf_config(path)
-        graphdef, state = nnx.split(cls.abstract(config, **kwargs))
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
+            params = {name: leaf for name, leaf in _flat_paths(pure)}
+        else:
+            config = Qwen3VLConfig.from_hf_config(path)
+            bar = None
+            if progress:
+                from tqdm.auto import tqdm
 
-            bar = tqdm(desc=f"reading {os.path.basename(os.path.abspath(path))}", unit=" tensors")
-        try:
-            params = load_hf_params(path, param_shapes(state), config,
-                                    on_tensor=None if bar is None else (lambda name: bar.update()))
-        finally:
-            if bar is not None:
-                bar.close()
+                bar = tqdm(desc=f"reading {os.path.basename(os.path.abspath(path))}", unit=" tensors")
+            try:
+                expected = param_shapes(nnx.state(cls.abstract(config, **kwargs), nnx.Param))
+                params = load_hf_params(path, expected, config,
+                                        on_tensor=None if bar is None else (lambda name: bar.update()))
+            finally:
+                if bar is not None:
+                    bar.close()
+        graphdef, state = nnx.split(cls.abstract(config, **kwargs))
         model = nnx.merge(graphdef, _fill_state(state, params))
         model.generation_config = GenerationConfig.from_pretrained(path)
         return model
 
     def save_orbax(self, directory: str | os.PathLike) -> str:
-        """Write the parameters and the config as an Orbax checkpoint under `directory/orbax`."""
-        return save_orbax(nnx.to_pure_dict(nnx.state(self, nnx.Param)), self.config, directory)
+        """Write the parameters (canonical per-block layout) and the config as Orbax under `directory/orbax`."""
+        return save_orbax(_nest(canonical_params(self)), self.config, directory)
 
     def save_hf(self, directory: str | os.PathLike, *, dtype: str | None = None,
                 max_shard_bytes: int | None = None) -> str:
         """Export HF safetensors + config.json that `Qwen3VLForConditionalGeneration` loads."""
-        params = {path: np.asarray(leaf) for path, leaf in _flat_paths(nnx.state(self, nnx.Param))}
+        params = {path: np.asarray(leaf) for path, leaf in canonical_params(self).items()}
         return save_hf(params, self.config, directory, dtype=dtype, max_shard_bytes=max_shard_bytes)
 
     # ------------------------------------------------------------------ vision
@@ -150,14 +194,14 @@ class Qwen3VL(nnx.Module):
         Args:
           pixel_values: `[P, C*T*p*p]` (numpy or jax) patches, as the processor emits them.
           grid_thw: `[n, 3]` integer (t, h, w) in patches per image / video.
-          return_hidden_states: also return each block's `[P, E]` output.
+          return_hidden_states: also return each block's `[P, E]` output (`[depth, P, E]`).
         Returns:
           `(merged [N, O], deepstack [L, N, O])`, or a `VisionOutput` when hidden states are asked for.
         """
         grid = validate_vision_inputs(pixel_values, grid_thw, self.config.vision)
         meta = vision_metadata(grid, self.config.vision)
         graphdef, state = nnx.split(self.visual)
-        out = _run_vision(graphdef, state, jnp.asarray(pixel_values), meta,
+        out = _run_vision(graphdef, state, jnp.asarray(pixel_values, jnp.float32), meta,
                           implementation=self.attention_implementation,
                           return_hidden_states=return_hidden_states)
         return out if return_hidden_states else (out.merged, out.deepstack)
@@ -176,33 +220,52 @@ class Qwen3VL(nnx.Module):
         *,
         video_pruning: tuple[str, float] | None = None,
         vision_encoder=None,
+        encode: bool = True,
+        video_timestamps=None,
+        video_metadata=None,
     ) -> MultimodalInputs:
-        """Host bookkeeping + vision encoding: everything the language model needs, as arrays.
+        """Host bookkeeping (+ vision encoding): everything `forward` needs, as arrays.
 
         Args:
           input_ids ... video_grid_thw: processor outputs. `mm_token_type_ids` defaults to 1 at image
-            pads, 2 at video pads, 0 elsewhere (what the processor emits).
-          video_pruning: `(method, rate)` with method "evs" or "vidcom2" and rate in [0, 1) (0 = off).
-            The prompt must then be built by the processor with the same option (each video's K
-            retained tokens lumped into frame 0); the encoder output decides which tokens are kept,
-            and the sequence is rebuilt per frame with the kept tokens at their unpruned positions.
+            pads, 2 at video pads, 0 elsewhere (what the processor emits). Each row's real tokens
+            (`attention_mask`) must be one contiguous run (left or right padding).
+          video_pruning: `(method, rate)` with rate in [0, 1) (0 = off). The prompt must then be built
+            by the processor with the same option (each video's K retained tokens lumped into frame
+            0); the encoder output decides which tokens are kept (computed here, from concrete
+            values: the selection is not differentiated), and the sequence is rebuilt per frame with
+            the kept tokens at their unpruned positions.
           vision_encoder: a callable `(pixel_values, grid_thw) -> (merged, deepstack)` used instead of
             `encode_vision`, e.g. `EncoderRunner(model).encode` for bucketed, precompiled encoding.
-        Raises ValueError when placeholders and visual inputs disagree.
+          encode: False leaves the pixels in the result for `forward` to encode (so gradients reach
+            the vision tower when `forward` is differentiated).
+          video_timestamps, video_metadata: processor outputs the model does not need (accepted so
+            `model(**processor(...))` works; the timestamps are already in the text).
+        Raises ValueError naming the offending item for malformed inputs.
         """
         cfg = self.config
         ids = np.asarray(input_ids)
-        if ids.ndim != 2:
-            raise ValueError(f"input_ids must be [batch, length], got shape {ids.shape}")
+        if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be a non-empty [batch, length] array, got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"input_ids must hold integer token ids, got dtype {ids.dtype}")
+        bad = (ids < 0) | (ids >= cfg.text.vocab_size)
+        if bad.any():
+            b, col = np.argwhere(bad)[0]
+            raise ValueError(f"input_ids[{b}, {col}] = {int(ids[b, col])} is outside the vocabulary "
+                             f"[0, {cfg.text.vocab_size})")
         mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
         if mask.shape != ids.shape:
             raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
+        _check_padding_runs(mask)
         if mm_token_type_ids is None:
             mm_token_type_ids = np.where(ids == cfg.image_token_id, 1, np.where(ids == cfg.video_token_id, 2, 0))
         mm_token_type_ids = np.asarray(mm_token_type_ids)
+        image_grid_thw, pixel_values = _none_if_empty(image_grid_thw, pixel_values, "image")
+        video_grid_thw, pixel_values_videos = _none_if_empty(video_grid_thw, pixel_values_videos, "video")
         pruning = pruning_lib.validate_video_pruning(*video_pruning) if video_pruning else None
         merge = cfg.vision.spatial_merge_size
-        plans = video_plans(video_grid_thw, cfg, pruning) if pruning is not None else []
+        plans = video_plans(video_grid_thw, cfg, pruning) if pruning is not None and video_grid_thw is not None else []
 
         groups = []  # (pixels, grid) per modality, images first
         for name, token, pixels, grid in (
@@ -225,18 +288,24 @@ class Qwen3VL(nnx.Module):
                     + (f" after {pruning[0]} pruning at rate {pruning[1]}" if name == "video" and plans else "")
                 )
             if grid is not None:
-                groups.append((pixels, validate_vision_inputs(pixels, grid, cfg.vision)))
+                groups.append((pixels, validate_vision_inputs(pixels, grid, cfg.vision, what=name)))
 
-        features = deepstack = None
+        features = deepstack = pixels = meta = None
+        n_image = 0 if image_grid_thw is None else int(np.asarray(image_grid_thw).prod(-1).sum()) // (merge**2)
+        video_rows = None  # unpruned encoder rows of the kept video tokens, in prompt order
         if groups:
             pixels = np.concatenate([np.asarray(p, np.float32) for p, _ in groups])
             grid = np.concatenate([g for _, g in groups])
-            features, deepstack = (vision_encoder or self.encode_vision)(pixels, grid)
+            if encode or plans:
+                features, deepstack = (vision_encoder or self.encode_vision)(pixels, grid)
             if plans:
-                n_image = 0 if image_grid_thw is None else int(np.asarray(image_grid_thw).prod(-1).sum()) // (merge**2)
+                if isinstance(features, jax.core.Tracer):
+                    raise ValueError(
+                        "video pruning selects tokens from concrete encoder outputs: call "
+                        "model.prepare_inputs(..., video_pruning=..., encode=False) outside jit / grad and pass "
+                        "the result to model.forward inside")
                 masks, rows = video_keep_masks(features[n_image:], deepstack[:, n_image:], plans, merge, pruning)
-                keep_rows = np.concatenate([np.arange(n_image), n_image + rows])
-                features, deepstack = features[keep_rows], deepstack[:, keep_rows]
+                video_rows = n_image + rows
                 pruned = pruning_lib.prompt.prune_prompt(
                     ids, mask, mm_token_type_ids, image_grid_thw, plans, masks, spatial_merge_size=merge,
                     vision_start_token_id=cfg.vision_start_token_id, vision_end_token_id=cfg.vision_end_token_id,
@@ -245,6 +314,11 @@ class Qwen3VL(nnx.Module):
             else:
                 positions, deltas = get_rope_index(ids, mm_token_type_ids, image_grid_thw, video_grid_thw, mask,
                                                    merge)
+            if not encode:
+                features = deepstack = None
+                meta = vision_metadata(grid, cfg.vision)
+            else:
+                pixels = None
         else:
             # Text only: HF uses plain 0..L-1 on all three axes (padding included) and no delta.
             positions = np.broadcast_to(np.arange(ids.shape[1]), (3, *ids.shape))
@@ -253,9 +327,8 @@ class Qwen3VL(nnx.Module):
         visual_index = np.full(ids.shape, -1, np.int32)
         is_image = (ids == cfg.image_token_id) & mask
         is_video = (ids == cfg.video_token_id) & mask
-        n_image = int(is_image.sum())
-        visual_index[is_image] = np.arange(n_image)  # row-major over (batch, position), as HF scatters
-        visual_index[is_video] = n_image + np.arange(int(is_video.sum()))
+        visual_index[is_image] = np.arange(int(is_image.sum()))  # row-major over (batch, position), as HF scatters
+        visual_index[is_video] = n_image + np.arange(int(is_video.sum())) if video_rows is None else video_rows
         return MultimodalInputs(
             input_ids=jnp.asarray(ids, jnp.int32),
             attention_mask=jnp.asarray(mask),
@@ -264,13 +337,15 @@ class Qwen3VL(nnx.Module):
             visual_index=jnp.asarray(visual_index),
             features=features,
             deepstack=deepstack,
+            pixel_values=None if pixels is None else jnp.asarray(pixels),
+            vision=None if meta is None else jax.tree.map(jnp.asarray, meta),
         )
 
     def video_retention_masks(self, pixel_values_videos, video_grid_thw, video_pruning: tuple[str, float],
                               *, vision_encoder=None) -> list[np.ndarray]:
         """Per video, the bool `[T, R, C]` map of the merged tokens `video_pruning` keeps (for plots)."""
         pruning = pruning_lib.validate_video_pruning(*video_pruning)
-        grid = validate_vision_inputs(pixel_values_videos, video_grid_thw, self.config.vision)
+        grid = validate_vision_inputs(pixel_values_videos, video_grid_thw, self.config.vision, what="video")
         merge = self.config.vision.spatial_merge_size
         if pruning is None:
             return [np.ones((t, h // merge, w // merge), bool) for t, h, w in grid]
@@ -291,30 +366,48 @@ class Qwen3VL(nnx.Module):
         return_hidden_states: bool = False,
         video_pruning: tuple[str, float] | None = None,
         vision_encoder=None,
+        video_timestamps=None,
+        video_metadata=None,
     ):
         """Logits `[B, L, V]` with the meaning of HF's `Qwen3VLForConditionalGeneration(...).logits`.
 
-        `video_pruning` and `vision_encoder` as in `prepare_inputs`.
+        `prepare_inputs` then `forward` (jitted); the keywords as there. Differentiable: under
+        `nnx.grad` / `jax.grad` the vision tower, the deepstack and the decoder all get gradients.
 
-        With `return_hidden_states`, returns `(logits, per-layer hidden states)`: each decoder layer's
-        output before its deepstack addition, as HF's `output_hidden_states` records them.
+        With `return_hidden_states`, returns `(logits, hidden states [N, B, L, E])`: each decoder
+        layer's output before its deepstack addition, as HF's `output_hidden_states` records them.
         """
         inputs = self.prepare_inputs(input_ids, attention_mask, mm_token_type_ids, pixel_values,
                                      image_grid_thw, pixel_values_videos, video_grid_thw,
                                      video_pruning=video_pruning, vision_encoder=vision_encoder)
         graphdef, state = nnx.split(self)
-        return _run_language_model(graphdef, state, inputs, implementation=self.attention_implementation,
-                                   return_hidden_states=return_hidden_states)
+        return _run_forward(graphdef, state, inputs, return_hidden_states=return_hidden_states)
+
+    def forward(self, inputs: MultimodalInputs, *, return_hidden_states: bool = False):
+        """Logits `[B, L, V]` (and per-layer hidden states) for prepared inputs; jit / grad friendly."""
+        embeds, deepstack = self.embed(inputs)
+        out = self.language_model(embeds, inputs.positions, causal_padding_mask(inputs.attention_mask), deepstack,
+                                  implementation=self.attention_implementation,
+                                  return_hidden_states=return_hidden_states)
+        logits = self.logits(out.hidden)
+        return (logits, out.hidden_states) if return_hidden_states else logits
 
     def embed(self, inputs: MultimodalInputs):
-        """Token embeddings with visual features spliced in, and the per-level deepstack additions."""
+        """Token embeddings with visual features spliced in, and the per-level deepstack additions.
+
+        Encodes `inputs.pixel_values` first when the features are not there yet.
+        """
         embeds = self.language_model.embed_tokens(inputs.input_ids)
-        if inputs.features is None:
+        features, deepstack = inputs.features, inputs.deepstack
+        if features is None and inputs.pixel_values is not None:
+            out = self.visual(inputs.pixel_values, inputs.vision, implementation=self.attention_implementation)
+            features, deepstack = out.merged, out.deepstack
+        if features is None:
             return embeds, None
         is_visual = inputs.visual_index >= 0
         rows = jnp.maximum(inputs.visual_index, 0)
-        embeds = jnp.where(is_visual[..., None], inputs.features[rows].astype(embeds.dtype), embeds)
-        deepstack = jnp.where(is_visual[None, ..., None], inputs.deepstack[:, rows], 0)
+        embeds = jnp.where(is_visual[..., None], features[rows].astype(embeds.dtype), embeds)
+        deepstack = jnp.where(is_visual[None, ..., None], deepstack[:, rows].astype(embeds.dtype), 0)
         return embeds, deepstack
 
     def logits(self, hidden: jnp.ndarray) -> jnp.ndarray:
@@ -326,6 +419,24 @@ class Qwen3VL(nnx.Module):
     def generate(self, *args, **kwargs):
         """Token ids `[B, L + new]` like HF's `generate`; see `qwen3vl_jax.generate.generate`."""
         return generate_tokens(self, *args, **kwargs)
+
+
+def _check_padding_runs(mask: np.ndarray) -> None:
+    """Each row's real tokens must be one contiguous run (what the attention description expresses)."""
+    for b, row in enumerate(mask):
+        real = np.flatnonzero(row)
+        if real.size and real[-1] - real[0] + 1 != real.size:
+            raise ValueError(f"attention_mask row {b} has padding between real tokens; only left or right "
+                             "padding (one contiguous run of real tokens per row) is supported")
+
+
+def _none_if_empty(grid, pixels, name: str):
+    """`(grid, pixels)`, where a grid with no items and no pixels is the same as neither."""
+    if grid is not None and np.asarray(grid).size == 0:
+        if pixels is not None and np.asarray(pixels).size:
+            raise ValueError(f"{name} grid_thw is empty but {name} pixels were given")
+        return None, None
+    return grid, pixels
 
 
 def video_plans(video_grid_thw, config: Qwen3VLConfig, pruning: tuple[str, float]) -> list:
@@ -362,22 +473,15 @@ def _run_vision(graphdef, state, pixel_values, meta, *, implementation, return_h
     return visual(pixel_values, meta, implementation=implementation, return_hidden_states=return_hidden_states)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "implementation", "return_hidden_states"))
-def _run_language_model(graphdef, state, inputs: MultimodalInputs, *, implementation, return_hidden_states):
-    model = nnx.merge(graphdef, state)
-    embeds, deepstack = model.embed(inputs)
-    length = inputs.input_ids.shape[1]
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    mask = causal[None] & inputs.attention_mask[:, None, :]
-    out = model.language_model(embeds, inputs.positions, mask, deepstack, implementation=implementation,
-                               return_hidden_states=return_hidden_states)
-    if return_hidden_states:
-        hidden, layers = out
-        return model.logits(hidden), layers
-    return model.logits(out)
+@functools.partial(jax.jit, static_argnames=("graphdef", "return_hidden_states"))
+def _run_forward(graphdef, state, inputs: MultimodalInputs, *, return_hidden_states):
+    return nnx.merge(graphdef, state).forward(inputs, return_hidden_states=return_hidden_states)
 
 
-# ---------------------------------------------------------------------- state helpers
+# ---------------------------------------------------------------------- parameters: the canonical layout
+
+# The repeated blocks of each tower: stored per block, or stacked along a leading axis (`scan_layers`).
+STACKS = ("visual.blocks", "language_model.layers")
 
 
 def _dotted(path) -> str:
@@ -385,26 +489,93 @@ def _dotted(path) -> str:
     return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-def _flat_paths(state) -> list[tuple[str, object]]:
-    leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
+def _flat_paths(tree) -> list[tuple[str, object]]:
+    tree = nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return [(_dotted(path), leaf) for path, leaf in leaves]
 
 
-def param_shapes(state) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """`{dotted path: (shape, dtype)}` for every parameter of an NNX state (abstract or concrete)."""
-    return {path: (tuple(leaf.shape), np.dtype(leaf.dtype)) for path, leaf in _flat_paths(state)}
+def _stacked_prefix(path: str, stacked: set[str]) -> str | None:
+    for prefix in stacked:
+        if path.startswith(prefix + "."):
+            return prefix
+    return None
+
+
+def _stacked_stacks(model_or_state) -> set[str]:
+    """Which of `STACKS` hold stacked parameters in this model / state."""
+    if isinstance(model_or_state, nnx.Module):
+        towers = {"visual.blocks": model_or_state.visual, "language_model.layers": model_or_state.language_model}
+        return {name for name, tower in towers.items() if tower.scan_layers}
+    paths = {p for p, _ in _flat_paths(model_or_state)}
+    return {s for s in STACKS if any(p.startswith(s + ".") and not p[len(s) + 1].isdigit() for p in paths)}
+
+
+def canonical_params(model_or_state) -> dict[str, object]:
+    """`{per-block dotted path: array}` whatever the layout: stacked parameters are sliced per block
+    (`language_model.layers.3.self_attn.q_proj.kernel`). The names the converter and Orbax use."""
+    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
+    stacked = _stacked_stacks(model_or_state)
+    out = {}
+    for path, leaf in _flat_paths(state):
+        prefix = _stacked_prefix(path, stacked)
+        if prefix is None:
+            out[path] = leaf
+            continue
+        rest = path[len(prefix) + 1:]
+        for i in range(leaf.shape[0]):
+            out[f"{prefix}.{i}.{rest}"] = leaf[i] if hasattr(leaf, "__getitem__") else leaf
+    return out
+
+
+def param_shapes(model_or_state) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """`{canonical path: (shape, dtype)}` for every parameter (abstract or concrete; either layout)."""
+    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
+    stacked = _stacked_stacks(model_or_state)
+    out = {}
+    for path, leaf in _flat_paths(state):
+        prefix = _stacked_prefix(path, stacked)
+        if prefix is None:
+            out[path] = (tuple(leaf.shape), np.dtype(leaf.dtype))
+            continue
+        rest = path[len(prefix) + 1:]
+        for i in range(leaf.shape[0]):
+            out[f"{prefix}.{i}.{rest}"] = (tuple(leaf.shape[1:]), np.dtype(leaf.dtype))
+    return out
 
 
 def count_params(model_or_state) -> int:
     """Number of parameters (works on abstract models from `Qwen3VL.abstract`)."""
-    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
-    return int(sum(int(np.prod(shape)) for shape, _ in param_shapes(state).values()))
+    return int(sum(int(np.prod(shape)) for shape, _ in param_shapes(model_or_state).values()))
 
 
-def _fill_state(state, params: dict[str, np.ndarray]):
+def _nest(flat: dict[str, object]) -> dict:
+    """`{dotted path: leaf}` -> the nested pure dict Orbax stores (integer keys for block indices)."""
+    tree: dict = {}
+    for path, leaf in flat.items():
+        node = tree
+        keys = [int(k) if k.isdigit() else k for k in path.split(".")]
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = leaf
+    return tree
+
+
+def _fill_state(state, params: dict[str, object]):
+    """Fill an (abstract) state from `{canonical path: array}`, stacking per-block arrays where the
+    state is stacked. Pops as it goes, so each host copy is freed once its device array exists."""
     pure = nnx.to_pure_dict(state)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(pure)
-    # Pop as we go, so each host copy is freed once its device array exists.
-    values = [jnp.asarray(params.pop(_dotted(path)), dtype=leaf.dtype) for path, leaf in leaves]
+    stacked = _stacked_stacks(state)
+    values = []
+    for path, leaf in leaves:
+        name = _dotted(path)
+        prefix = _stacked_prefix(name, stacked)
+        if prefix is None:
+            values.append(jnp.asarray(params.pop(name), dtype=leaf.dtype))
+            continue
+        rest = name[len(prefix) + 1:]
+        blocks = [params.pop(f"{prefix}.{i}.{rest}") for i in range(leaf.shape[0])]
+        values.append(jnp.stack([jnp.asarray(b, dtype=leaf.dtype) for b in blocks]))
     nnx.replace_by_pure_dict(state, jax.tree_util.tree_unflatten(treedef, values))
     return state

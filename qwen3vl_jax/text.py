@@ -5,23 +5,32 @@ RMSNorm -> SwiGLU MLP -> residual. Rotary angles come from three position stream
 the head_dim/2 frequency channels, h takes channels 1, 4, 7, ... and w takes 2, 5, 8, ...
 (`mrope_section[1]` and `[2]` of them), t takes the rest (HF's interleaved layout).
 
-Axes: B batch, L query tokens, S key tokens, E hidden, H query heads, G kv heads, D head dim,
-V vocabulary.
+One forward serves three uses: the plain forward (no cache; each layer attends over this call's
+keys), prefill (a fresh cache of S slots written from slot 0) and decoding (the cache read and
+written at an index). Attention is described by an `AttentionMask` (per query row, one run of
+keys), never by a dense mask. The layers are a list or a scanned stack (`layers.make_stack`).
+
+Axes: B batch, L query tokens, S key tokens (this call's, or the cache's slots), E hidden, H query
+heads, G kv heads, D head dim, V vocabulary, N layers, K deepstack levels.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 
 from pallas_kernels.attention import api as attention_api
+from pallas_kernels.attention.mask import AttentionMask
 
 from .config import TextConfig
-from .layers import Linear, RMSNorm, apply_rotary
+from .layers import Linear, RMSNorm, apply_rotary, make_stack, run_stack
 
-__all__ = ["TextModel", "mrope_channel_axes", "mrope_cos_sin"]
+__all__ = ["TextModel", "TextOutput", "KVCache", "DecoderLayer", "mrope_channel_axes", "mrope_cos_sin"]
 
 
 def mrope_channel_axes(config: TextConfig) -> np.ndarray:
@@ -51,6 +60,39 @@ def mrope_cos_sin(positions: jnp.ndarray, config: TextConfig) -> tuple[jnp.ndarr
     return jnp.cos(full), jnp.sin(full)
 
 
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys and values of every layer, `[N, B, S, G, D]` each (a pytree; donate it to decode in place)."""
+
+    keys: jax.Array
+    values: jax.Array
+
+    @classmethod
+    def empty(cls, config: TextConfig, batch: int, slots: int, dtype) -> "KVCache":
+        shape = (config.num_hidden_layers, batch, slots, config.num_key_value_heads, config.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @property
+    def slots(self) -> int:
+        return self.keys.shape[2]
+
+
+jax.tree_util.register_dataclass(KVCache, data_fields=["keys", "values"], meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class TextOutput:
+    """hidden: final-norm `[B, L, E]`; cache: the updated `KVCache` (or None); hidden_states:
+    `[N, B, L, E]` each layer's output before its deepstack addition (HF's record), when asked."""
+
+    hidden: jax.Array
+    cache: KVCache | None = None
+    hidden_states: jax.Array | None = None
+
+
+jax.tree_util.register_dataclass(TextOutput, data_fields=["hidden", "cache", "hidden_states"], meta_fields=[])
+
+
 class TextAttention(nnx.Module):
     def __init__(self, config: TextConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         self.config = config
@@ -63,26 +105,27 @@ class TextAttention(nnx.Module):
         self.q_norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
 
-    def project(self, x, cos, sin):
-        """Rotated q `[B, L, H, D]`, rotated k and v `[B, L, G, D]` (q/k RMSNorm before rotary)."""
+    def __call__(self, x, cos, sin, mask: AttentionMask, cache=None, index=0, *, implementation: str):
+        """Attention output `[B, L, E]` and the layer's updated `(keys, values)` cache (or None).
+
+        Without a cache, q attends over this call's keys; with one (`[B, S, G, D]` each), this
+        call's keys and values are written at slots `[index, index + L)` and q attends over the cache.
+        """
         b, length, _ = x.shape
         d = self.config.head_dim
-        q = self.q_norm(self.q_proj(x).reshape(b, length, -1, d))
+        q = self.q_norm(self.q_proj(x).reshape(b, length, -1, d))  # q/k RMSNorm before rotary
         k = self.k_norm(self.k_proj(x).reshape(b, length, -1, d))
         v = self.v_proj(x).reshape(b, length, -1, d)
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, L, 1, D]: shared by the heads
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
-
-    def attend(self, q, keys, values, mask, implementation: str):
-        """Attention of q over `keys`/`values` `[B, S, G, D]` (this call's or a cache's), then o_proj."""
-        b, length = q.shape[:2]
-        out = attention_api.masked_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask,
-                                             implementation=implementation)
-        return self.o_proj(out.reshape(b, length, -1))
-
-    def __call__(self, x, cos, sin, mask, implementation: str):
-        q, k, v = self.project(x, cos, sin)
-        return self.attend(q, k, v, mask, implementation)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            keys, values = cache
+            start = (0, index, 0, 0)
+            keys = lax.dynamic_update_slice(keys, k.astype(keys.dtype), start)
+            values = lax.dynamic_update_slice(values, v.astype(values.dtype), start)
+            k, v, cache = keys, values, (keys, values)
+        out = attention_api.attention(q, k, v, mask, implementation=implementation)
+        return self.o_proj(out.reshape(b, length, -1)), cache
 
 
 class TextMLP(nnx.Module):
@@ -104,48 +147,74 @@ class DecoderLayer(nnx.Module):
                                                 param_dtype=param_dtype)
         self.mlp = TextMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def qkv(self, x, cos, sin):
-        """The layer's q, k, v for the residual stream x (what a KV cache stores is k and v)."""
-        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+    def __call__(self, x, cos, sin, mask: AttentionMask, cache=None, index=0, *, implementation: str = "xla"):
+        """`(x, cache)`: the layer's output and its updated `(keys, values)` (None without a cache)."""
+        attended, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, index,
+                                         implementation=implementation)
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
 
-    def finish(self, x, q, keys, values, mask, implementation: str = "xla"):
-        """The rest of the layer given the keys and values to attend over (this call's or cached)."""
-        x = x + self.self_attn.attend(q, keys, values, mask, implementation)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
-    def __call__(self, x, cos, sin, mask, implementation: str = "xla"):
-        q, k, v = self.qkv(x, cos, sin)
-        return self.finish(x, q, k, v, mask, implementation)
+def _level(deepstack, index):
+    """Deepstack addition after layer `index` (static int or traced), or None when there is none."""
+    if deepstack is None or deepstack.shape[0] == 0:
+        return None
+    levels = deepstack.shape[0]
+    if isinstance(index, int):
+        return deepstack[index] if index < levels else None
+    level = lax.dynamic_index_in_dim(deepstack, jnp.minimum(index, levels - 1), keepdims=False)
+    return jnp.where(index < levels, level, jnp.zeros_like(level))
 
 
 class TextModel(nnx.Module):
     """`Qwen3VLTextModel`: embeddings in, final-norm hidden states out.
 
     `deepstack` (`[K, B, L, E]`, zero away from visual positions) is added to the hidden states
-    after decoder layer k for k < K.
+    after decoder layer k for k < K. `scan_layers` stacks the layers' parameters and runs them under
+    `lax.scan`; `remat` recomputes each layer in the backward pass.
     """
 
-    def __init__(self, config: TextConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
+    def __init__(self, config: TextConfig, *, dtype=jnp.float32, param_dtype=None, scan_layers: bool = False,
+                 remat: bool = False, rngs: nnx.Rngs):
         param_dtype = param_dtype or dtype
         self.config = config
+        self.scan_layers = scan_layers
+        self.remat = remat
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                                       param_dtype=param_dtype, rngs=rngs)
-        self.layers = nnx.List(
-            [DecoderLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-             for _ in range(config.num_hidden_layers)]
-        )
+        self.layers = make_stack(
+            lambda r: DecoderLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=r),
+            config.num_hidden_layers, scan_layers, rngs)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
 
-    def __call__(self, embeds, positions, mask, deepstack=None, *, implementation: str = "xla",
-                 return_hidden_states: bool = False):
+    def __call__(self, embeds, positions, mask: AttentionMask, deepstack=None, *, cache: KVCache | None = None,
+                 cache_index=0, implementation: str = "xla", return_hidden_states: bool = False) -> TextOutput:
+        """The decoder over `embeds [B, L, E]` at mRoPE `positions [3, B, L]`.
+
+        Args:
+          mask: the `AttentionMask` of the L query rows (over this call's keys, or the cache's slots).
+          deepstack: `[K, B, L, E]` additions after layers 0..K-1, or None.
+          cache: a `KVCache` to write at slots `[cache_index, cache_index + L)` and attend over.
+        """
         cos, sin = mrope_cos_sin(positions, self.config)
-        x = embeds
-        hidden = []
-        for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, implementation)
-            if return_hidden_states:
-                hidden.append(x)  # the layer's own output, before deepstack (what HF records)
-            if deepstack is not None and index < deepstack.shape[0]:
-                x = x + deepstack[index].astype(x.dtype)
-        x = self.norm(x)
-        return (x, tuple(hidden)) if return_hidden_states else x
+
+        def step(layer, carry, index):
+            x, keys, values = carry
+            layer_cache = None
+            if keys is not None:
+                layer_cache = (lax.dynamic_index_in_dim(keys, index, keepdims=False),
+                               lax.dynamic_index_in_dim(values, index, keepdims=False))
+            x, layer_cache = layer(x, cos, sin, mask, layer_cache, cache_index, implementation=implementation)
+            if keys is not None:
+                keys = lax.dynamic_update_index_in_dim(keys, layer_cache[0], index, 0)
+                values = lax.dynamic_update_index_in_dim(values, layer_cache[1], index, 0)
+            out = x
+            level = _level(deepstack, index)
+            if level is not None:
+                x = x + level.astype(x.dtype)
+            return (x, keys, values), out
+
+        carry = (embeds, None, None) if cache is None else (embeds, cache.keys, cache.values)
+        (x, keys, values), hidden = run_stack(self.layers, step, carry, scan=self.scan_layers, remat=self.remat,
+                                              collect=return_hidden_states)
+        return TextOutput(self.norm(x), None if cache is None else KVCache(keys, values), hidden)

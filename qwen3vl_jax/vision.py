@@ -23,12 +23,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax import lax
+
 from pallas_kernels.attention import api as attention_api
+from pallas_kernels.attention.mask import AttentionMask
 from pallas_kernels.pos_embed import api as pos_embed_api
 from pallas_kernels.pos_embed.reference import interpolation_taps, merge_order_rows_cols
 
 from .config import VisionConfig
-from .layers import LayerNorm, Linear, apply_rotary
+from .layers import LayerNorm, Linear, apply_rotary, make_stack, run_stack
 
 __all__ = ["VisionMetadata", "vision_metadata", "validate_vision_inputs", "VisionModel"]
 
@@ -56,40 +59,49 @@ jax.tree_util.register_dataclass(
 )
 
 
-def validate_vision_inputs(pixel_values, grid_thw, config: VisionConfig) -> np.ndarray:
+def validate_vision_inputs(pixel_values, grid_thw, config: VisionConfig, *, what: str = "item") -> np.ndarray:
     """Check `pixel_values [P, C*T*p*p]` against `grid_thw [n, 3]`; return the grid as int64 numpy.
 
-    Raises ValueError naming the offending item.
+    Non-finite pixels are refused (naming the item): attention would otherwise carry a NaN from one
+    item into every item packed in the same call (0 * NaN in the value matmul). Raises ValueError
+    naming the offending item; `what` ("image", "video") names the items in messages.
     """
     grid = np.asarray(grid_thw)
     if grid.ndim != 2 or grid.shape[1] != 3:
-        raise ValueError(f"grid_thw must have shape [num_items, 3], got {grid.shape}")
+        raise ValueError(f"{what} grid_thw must have shape [num_items, 3], got {grid.shape}")
     if not np.issubdtype(grid.dtype, np.integer):
-        raise ValueError(f"grid_thw must hold integers, got dtype {grid.dtype}")
+        raise ValueError(f"{what} grid_thw must hold integers, got dtype {grid.dtype}")
     grid = grid.astype(np.int64)
     merge = config.spatial_merge_size
     for i, (t, h, w) in enumerate(grid):
         if min(t, h, w) <= 0:
-            raise ValueError(f"grid_thw[{i}] = {[int(t), int(h), int(w)]} has a non-positive entry")
+            raise ValueError(f"{what} grid_thw[{i}] = {[int(t), int(h), int(w)]} has a non-positive entry")
         if h % merge or w % merge:
             raise ValueError(
-                f"grid_thw[{i}] = {[int(t), int(h), int(w)]}: h and w must be divisible by the spatial "
+                f"{what} grid_thw[{i}] = {[int(t), int(h), int(w)]}: h and w must be divisible by the spatial "
                 f"merge size {merge}"
             )
     shape = tuple(pixel_values.shape)
     if len(shape) != 2:
-        raise ValueError(f"pixel_values must be 2-D [patches, {config.patch_dim}], got shape {shape}")
+        raise ValueError(f"{what} pixel_values must be 2-D [patches, {config.patch_dim}], got shape {shape}")
     if shape[1] != config.patch_dim:
         raise ValueError(
-            f"pixel_values rows have width {shape[1]}, expected C*T*p*p = {config.in_channels}*"
+            f"{what} pixel_values rows have width {shape[1]}, expected C*T*p*p = {config.in_channels}*"
             f"{config.temporal_patch_size}*{config.patch_size}*{config.patch_size} = {config.patch_dim}"
         )
     counts = grid.prod(axis=1)
     if shape[0] != counts.sum():
         raise ValueError(
-            f"pixel_values has {shape[0]} rows but grid_thw describes {int(counts.sum())} patches "
+            f"{what} pixel_values has {shape[0]} rows but grid_thw describes {int(counts.sum())} patches "
             f"(per item t*h*w = {counts.tolist()})"
         )
+    if not isinstance(pixel_values, jax.core.Tracer):
+        finite = np.isfinite(np.asarray(pixel_values)).all(axis=1)
+        if not finite.all():
+            row = int(np.argmin(finite))
+            item = int(np.searchsorted(np.cumsum(counts), row, side="right"))
+            raise ValueError(f"{what} {item} (grid_thw {grid[item].tolist()}) has non-finite pixel values "
+                             f"(first at patch row {row})")
     return grid
 
 
@@ -149,14 +161,14 @@ class VisionAttention(nnx.Module):
         self.proj = Linear(config.hidden_size, config.hidden_size, use_bias=True, dtype=dtype,
                            param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, segment_ids, implementation: str):
+    def __call__(self, x, cos, sin, mask: AttentionMask, implementation: str):
         patches = x.shape[0]
         qkv = self.qkv(x).reshape(patches, 3, self.num_heads, -1)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # [P, H, D]
         # Rotary in float32, cast back (HF's apply_rotary_pos_emb_vision).
         cos, sin = cos[:, None, :], sin[:, None, :]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention_api.varlen_attention(q, k, v, segment_ids, implementation=implementation)
+        out = attention_api.attention(q[None], k[None], v[None], mask, implementation=implementation)[0]
         return self.proj(out.reshape(patches, -1))
 
 
@@ -179,8 +191,8 @@ class VisionBlock(nnx.Module):
         self.attn = VisionAttention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.mlp = VisionMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, segment_ids, implementation: str = "xla"):
-        x = x + self.attn(self.norm1(x), cos, sin, segment_ids, implementation)
+    def __call__(self, x, cos, sin, mask: AttentionMask, implementation: str = "xla"):
+        x = x + self.attn(self.norm1(x), cos, sin, mask, implementation)
         return x + self.mlp(self.norm2(x))
 
 
@@ -211,11 +223,12 @@ class PatchMerger(nnx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class VisionOutput:
-    """merged: `[N, O]`; deepstack: `[L, N, O]`; hidden_states: per-block `[P, E]` when requested."""
+    """merged: `[N, O]`; deepstack: `[L, N, O]`; hidden_states: `[depth, P, E]` each block's output,
+    when requested."""
 
     merged: jnp.ndarray
     deepstack: jnp.ndarray
-    hidden_states: tuple[jnp.ndarray, ...] | None = None
+    hidden_states: jnp.ndarray | None = None
 
 
 jax.tree_util.register_dataclass(
@@ -226,15 +239,19 @@ jax.tree_util.register_dataclass(
 class VisionModel(nnx.Module):
     """`Qwen3VLVisionModel`: pixel patches + metadata -> merged and deepstack features."""
 
-    def __init__(self, config: VisionConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
+    def __init__(self, config: VisionConfig, *, dtype=jnp.float32, param_dtype=None, scan_layers: bool = False,
+                 remat: bool = False, rngs: nnx.Rngs):
         param_dtype = param_dtype or dtype
         self.config = config
         self.dtype = dtype
+        self.scan_layers = scan_layers
+        self.remat = remat
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.patch_embed = PatchEmbed(config, **kw)
         self.pos_embed = nnx.Embed(config.num_position_embeddings, config.hidden_size, dtype=dtype,
                                    param_dtype=param_dtype, rngs=rngs)
-        self.blocks = nnx.List([VisionBlock(config, **kw) for _ in range(config.depth)])
+        self.blocks = make_stack(lambda r: VisionBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=r),
+                                 config.depth, scan_layers, rngs)
         self.merger = PatchMerger(config, postshuffle_norm=False, **kw)
         self.deepstack_merger_list = nnx.List(
             [PatchMerger(config, postshuffle_norm=True, **kw) for _ in config.deepstack_visual_indexes]
@@ -254,14 +271,28 @@ class VisionModel(nnx.Module):
         )
         x = x + pos.astype(x.dtype)
         cos, sin = vision_rotary_cos_sin(meta.rotary_ids, jnp.asarray(vision_rotary_inv_freq(self.config)))
-        taps = dict(zip(self.config.deepstack_visual_indexes, self.deepstack_merger_list))
-        deepstack, hidden = [], []
-        for index, block in enumerate(self.blocks):
-            x = block(x, cos, sin, meta.segment_ids, implementation)
-            if return_hidden_states:
-                hidden.append(x)
-            if index in taps:
-                deepstack.append(taps[index](x))
+        mask = AttentionMask.segments(meta.segment_ids)
+        taps = self.config.deepstack_visual_indexes
+        # Block index -> deepstack level (-1: none), so a scanned stack can tap by a traced index.
+        level_of = np.full(self.config.depth, -1, np.int32)
+        level_of[list(taps)] = np.arange(len(taps))
+
+        def step(block, carry, index):
+            x, tapped = carry
+            x = block(x, cos, sin, mask, implementation)
+            if isinstance(index, int):
+                if level_of[index] >= 0:
+                    tapped = tapped.at[int(level_of[index])].set(x)
+            else:
+                level = jnp.asarray(level_of)[index]
+                tapped = lax.cond(level >= 0, lambda t: lax.dynamic_update_index_in_dim(t, x, level, 0),
+                                  lambda t: t, tapped)
+            return (x, tapped), x
+
+        tapped = jnp.zeros((len(taps), *x.shape), x.dtype)
+        (x, tapped), hidden = run_stack(self.blocks, step, (x, tapped), scan=self.scan_layers, remat=self.remat,
+                                        collect=return_hidden_states)
         merged = self.merger(x)
+        deepstack = [merger(tapped[level]) for level, merger in enumerate(self.deepstack_merger_list)]
         stacked = jnp.stack(deepstack) if deepstack else jnp.zeros((0, *merged.shape), merged.dtype)
-        return VisionOutput(merged, stacked, tuple(hidden) if return_hidden_states else None)
+        return VisionOutput(merged, stacked, hidden)

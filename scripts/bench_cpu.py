@@ -4,10 +4,15 @@
         [--prompt-tokens 512] [--new-tokens 32]
 
 The model has the 2B preset's widths with random weights (the real architecture) and
-`--llm-layers` decoder layers. Vision part: one 448x448 image (grid 1x28x28) and one 8-frame
-448x448 video (grid 4x28x28) through the vision tower. Generation part: greedy `generate` on a
-text prompt of `--prompt-tokens` tokens and on a 448x448 image prompt; prefill is the time to the
-first token, decode the tokens/s of the remaining `--new-tokens - 1`. Prints median wall times of
+`--llm-layers` decoder layers. First the machine's limits are measured in the same run: XLA's FLOP
+rate on one large f32 matmul and its memory bandwidth on one large f32 matrix-vector product.
+Vision part: one 448x448 image (grid 1x28x28) and one 8-frame 448x448 video (grid 4x28x28) through
+the vision tower, with its FLOP rate as a fraction of the matmul's. Generation part: greedy
+`generate` on a text prompt of `--prompt-tokens` tokens and on a 448x448 image prompt; prefill is
+the time to the first token, decode the tokens/s of the remaining `--new-tokens - 1`, also as the
+weight bytes read per token over the time, a fraction of the matrix-vector bandwidth; decoding runs
+in on-device chunks (`generate.DECODE_CHUNK` tokens per host synchronization) and, for comparison,
+one token per device call (`decode_chunk=1`, the per-token host loop). Prints median wall times of
 both sides and the ratio HF / ours (above 1 means we are faster). Writes nothing.
 """
 
@@ -57,13 +62,48 @@ def main(argv=None) -> None:
         hf.save_pretrained(tmp)
         ours = Qwen3VL.from_pretrained(tmp)
 
+    limits = machine_limits(args.repeats)
     if "vision" in args.parts:
-        bench_vision(hf, ours, config, args.repeats)
+        bench_vision(hf, ours, config, args.repeats, limits)
     if "generate" in args.parts:
-        bench_generate(hf, ours, config, args)
+        bench_generate(hf, ours, config, args, limits)
 
 
-def bench_vision(hf, ours, config, repeats: int) -> None:
+def machine_limits(repeats: int) -> dict:
+    """XLA's f32 FLOP rate on a large matmul and its bandwidth on a large matrix-vector product."""
+    import jax
+    import jax.numpy as jnp
+
+    n = 4096
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    t_mm = _median_seconds(lambda: matmul(a).block_until_ready(), repeats)
+    m = 8192
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((m, m)), jnp.float32)
+    x = jnp.ones((1, m), jnp.float32)
+    matvec = jax.jit(lambda w, x: x @ w)
+    t_mv = _median_seconds(lambda: matvec(w, x).block_until_ready(), repeats)
+    limits = {"flops": 2 * n**3 / t_mm, "bandwidth": m * m * 4 / t_mv}
+    print(f"machine (XLA, same run): f32 matmul {n}^3 {limits['flops'] / 1e9:.0f} GFLOP/s; "
+          f"f32 matrix-vector {m}^2 {limits['bandwidth'] / 1e9:.1f} GB/s")
+    return limits
+
+
+def vision_flops(config, grid) -> float:
+    """Matmul FLOPs of the vision tower (patch embed, blocks, attention, mergers) for `grid`."""
+    v = config.vision
+    patches = int(np.prod(grid, axis=1).sum())
+    e, i = v.hidden_size, v.intermediate_size
+    frames = [int(h * w) for t, h, w in grid for _ in range(int(t))]
+    attention = 2 * 2 * sum(n * n for n in frames) * e  # q.k and p.v over each frame's segment
+    block = 2 * patches * (3 * e * e + e * e + 2 * e * i) + attention
+    merged = patches // v.merge_unit
+    merger = 2 * merged * (4 * e * 4 * e + 4 * e * v.out_hidden_size)
+    levels = 1 + len(v.deepstack_visual_indexes)
+    return 2 * patches * v.patch_dim * e + v.depth * block + levels * merger
+
+
+def bench_vision(hf, ours, config, repeats: int, limits: dict) -> None:
     import jax
     import torch
 
@@ -84,15 +124,30 @@ def bench_vision(hf, ours, config, repeats: int) -> None:
 
         diff = float(np.abs(np.asarray(run_ours()[0]) - run_hf().numpy()).max())
         t_hf, t_ours = _median_seconds(run_hf, repeats), _median_seconds(run_ours, repeats)
-        rows.append((name, int(grid.prod()), t_hf, t_ours, diff))
+        rows.append((name, int(grid.prod()), t_hf, t_ours, diff, vision_flops(config, grid) / t_ours))
 
-    print(f"\n{'vision tower':<18}{'patches':>9}{'HF eager s':>12}{'ours jit s':>12}{'HF/ours':>9}{'max|diff|':>11}")
-    for name, patches, t_hf, t_ours, diff in rows:
-        print(f"{name:<18}{patches:>9}{t_hf:>12.3f}{t_ours:>12.3f}{t_hf / t_ours:>9.2f}{diff:>11.2e}")
+    print(f"\n{'vision tower':<18}{'patches':>9}{'HF eager s':>12}{'ours jit s':>12}{'HF/ours':>9}{'max|diff|':>11}"
+          f"{'GFLOP/s':>9}{'of matmul':>11}")
+    for name, patches, t_hf, t_ours, diff, rate in rows:
+        print(f"{name:<18}{patches:>9}{t_hf:>12.3f}{t_ours:>12.3f}{t_hf / t_ours:>9.2f}{diff:>11.2e}"
+              f"{rate / 1e9:>9.0f}{rate / limits['flops']:>11.0%}")
 
 
-def bench_generate(hf, ours, config, args) -> None:
+def decode_weight_bytes(model) -> int:
+    """Parameter bytes one decode step reads: every decoder layer, the final norm and the LM head
+    (the embedding matrix when tied; one embedding row is negligible)."""
+    from qwen3vl_jax.model import canonical_params
+
+    params = canonical_params(model)
+    head = "language_model.embed_tokens.embedding" if model.config.tie_word_embeddings else "lm_head.kernel"
+    names = [p for p in params if p.startswith(("language_model.layers.", "language_model.norm.")) or p == head]
+    return int(sum(params[p].size * params[p].dtype.itemsize for p in names))
+
+
+def bench_generate(hf, ours, config, args, limits: dict) -> None:
     import torch
+
+    from qwen3vl_jax.generate import DECODE_CHUNK
 
     rng = np.random.default_rng(1)
     cfg = config
@@ -105,8 +160,12 @@ def bench_generate(hf, ours, config, args) -> None:
         f"text {args.prompt_tokens} tok": dict(input_ids=rng.integers(0, 1000, (1, args.prompt_tokens))),
         "image 448x448": dict(input_ids=image_prompt, pixel_values=pixels, image_grid_thw=np.asarray([[1, 28, 28]])),
     }
-    print(f"\n{'generate (greedy)':<18}{'prompt':>7}{'HF prefill s':>14}{'ours prefill s':>16}{'ratio':>7}"
-          f"{'HF tok/s':>10}{'ours tok/s':>12}{'ratio':>7}{'same ids':>10}")
+    weight_bytes = decode_weight_bytes(ours)
+    print(f"\ndecode reads {weight_bytes / 2**30:.2f} GiB of weights per token; 'of bw' = weight bytes per "
+          f"token / time, against the matrix-vector bandwidth")
+    print(f"{'generate (greedy)':<18}{'prompt':>7}{'HF prefill s':>14}{'ours prefill s':>16}{'ratio':>7}"
+          f"{'HF tok/s':>10}{'ours tok/s':>12}{'ratio':>7}{'of bw':>7}{'chunk=1 tok/s':>15}{'of bw':>7}"
+          f"{'same ids':>10}")
     for name, inputs in cases.items():
         mask = np.ones_like(inputs["input_ids"])
         types = (inputs["input_ids"] == cfg.image_token_id).astype(np.int64)
@@ -117,16 +176,21 @@ def bench_generate(hf, ours, config, args) -> None:
             with torch.no_grad():
                 return hf.generate(**hf_kw, max_new_tokens=n, min_new_tokens=n, do_sample=False).numpy()
 
-        def ours_run(n):
-            return ours.generate(**ours_kw, max_new_tokens=n, eos_token_id=[])
+        def ours_run(n, chunk=DECODE_CHUNK):
+            return ours.generate(**ours_kw, max_new_tokens=n, eos_token_id=[], decode_chunk=chunk)
 
         n = args.new_tokens
-        same = np.array_equal(hf_run(n), ours_run(n))
+        same = np.array_equal(hf_run(n), ours_run(n)) and np.array_equal(ours_run(n, 1), ours_run(n))
         hf_first, ours_first = _median_seconds(lambda: hf_run(1), args.repeats), _median_seconds(lambda: ours_run(1), args.repeats)
         hf_all, ours_all = _median_seconds(lambda: hf_run(n), args.repeats), _median_seconds(lambda: ours_run(n), args.repeats)
+        per_token_all = _median_seconds(lambda: ours_run(n, 1), args.repeats)
         hf_rate, ours_rate = (n - 1) / (hf_all - hf_first), (n - 1) / (ours_all - ours_first)
+        per_token_rate = (n - 1) / (per_token_all - ours_first)
+        bandwidth = limits["bandwidth"]
         print(f"{name:<18}{inputs['input_ids'].shape[1]:>7}{hf_first:>14.3f}{ours_first:>16.3f}"
-              f"{hf_first / ours_first:>7.2f}{hf_rate:>10.1f}{ours_rate:>12.1f}{ours_rate / hf_rate:>7.2f}{str(same):>10}")
+              f"{hf_first / ours_first:>7.2f}{hf_rate:>10.1f}{ours_rate:>12.1f}{ours_rate / hf_rate:>7.2f}"
+              f"{ours_rate * weight_bytes / bandwidth:>7.0%}{per_token_rate:>15.1f}"
+              f"{per_token_rate * weight_bytes / bandwidth:>7.0%}{str(same):>10}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attention import reference
+from pallas_kernels.attention.mask import AttentionMask
 
 
 def _dense_varlen(q, k, v, seg):
@@ -48,7 +49,8 @@ def test_varlen_matches_dense(case, dtype):
 
 def test_block_ranges_cover_only_overlapping_segments():
     seg = jnp.asarray(np.repeat([0, 1, 2, -1], [10, 30, 20, 4]).astype(np.int32))
-    lo, hi = reference.segment_block_ranges(seg, 16)
+    mask = AttentionMask.segments(seg)
+    lo, hi = reference.block_ranges(mask.kv_start[0], mask.kv_end[0], 16, 16)
     # blocks: [0,16) seg 0,1 -> keys 0..39 -> blocks 0..2; [16,32) seg 1 -> 0..2; [32,48) seg 1,2 -> 0..3;
     # [48,64) seg 2 and padding -> blocks 2..3
     np.testing.assert_array_equal(lo, [0, 0, 0, 2])

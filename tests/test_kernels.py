@@ -16,6 +16,7 @@ from pallas_kernels import _dispatch
 from pallas_kernels.attention import api as attention_api
 from pallas_kernels.attention import kernel as attention_kernel
 from pallas_kernels.attention import reference as attention_ref
+from pallas_kernels.attention.mask import AttentionMask, segment_intervals
 from pallas_kernels.pos_embed import api as pos_api
 from pallas_kernels.pos_embed import reference as pos_ref
 
@@ -159,7 +160,7 @@ def test_varlen_visits_only_overlapping_key_blocks():
 
 def test_segment_intervals():
     seg = jnp.asarray(np.repeat([-1, 0, 1, 1, -1, 2], [3, 4, 1, 0, 2, 5]).astype(np.int32))
-    lo, hi = attention_kernel.segment_intervals(seg)
+    lo, hi = segment_intervals(seg)
     np.testing.assert_array_equal(lo, [0, 0, 0, 3, 3, 3, 3, 7, 0, 0, 10, 10, 10, 10, 10])
     np.testing.assert_array_equal(hi, [0, 0, 0, 7, 7, 7, 7, 8, 0, 0, 15, 15, 15, 15, 15])
 
@@ -242,44 +243,55 @@ def test_decode_empty_range_is_zero():
     assert np.all(np.asarray(out) == 0)
 
 
-# ---------------------------------------------------------------------------------- masked (the model's op)
+# ---------------------------------------------------------------------------------- the model's op
 
 
-def test_masked_attention_prefill_masks():
-    """The language model's prefill masks: causal & key padding (left-padded rows)."""
+def test_attention_prefill_masks():
+    """The decoder's prefill description (causal, left-padded rows) on both paths, against the dense oracle."""
     rng = np.random.default_rng(6)
     b, size, heads, kv_heads, dim = 2, 40, 4, 2, 32
     q = _normal(rng, (b, size, heads, dim), jnp.float32)
     k, v = (_normal(rng, (b, size, kv_heads, dim), jnp.float32) for _ in range(2))
-    key_ok = np.arange(size)[None] >= np.array([0, 13])[:, None]
-    mask = jnp.asarray(np.tril(np.ones((size, size), bool))[None] & key_ok[:, None, :])
-    ours = attention_api.masked_attention(q, k, v, mask, implementation="pallas")
-    ref = attention_api.masked_attention(q, k, v, mask, implementation="xla")
-    _report("masked prefill (causal, left padding)", ours, ref, jnp.float32)
+    mask = AttentionMask.causal(jnp.array([0, 13]), jnp.array([size, size]), size)
+    oracle = attention_ref.masked_attention(q, k, v, mask.dense(size))
+    for impl in ("pallas", "xla"):
+        _report(f"prefill (causal, left padding) {impl}", attention_api.attention(q, k, v, mask, implementation=impl),
+                oracle, jnp.float32)
 
 
-def test_masked_attention_decode_masks():
+def test_attention_decode_window():
+    """One decode step: the query at cache slot 50 of rows whose prompts start at slots 0 and 9."""
     rng = np.random.default_rng(7)
     b, slots, heads, kv_heads, dim = 2, 96, 4, 2, 32
     q = _normal(rng, (b, 1, heads, dim), jnp.bfloat16)
     k, v = (_normal(rng, (b, slots, kv_heads, dim), jnp.bfloat16) for _ in range(2))
     index = 50
-    key_mask = np.arange(slots)[None] >= np.array([0, 9])[:, None]
-    mask = jnp.asarray((key_mask & (np.arange(slots) <= index)[None])[:, None, :])
-    ours = attention_api.masked_attention(q, k, v, mask, implementation="pallas")
-    ref = attention_api.masked_attention(q, k, v, mask, implementation="xla")
-    _report("masked decode (cache window)", ours, ref, jnp.bfloat16)
+    mask = AttentionMask.causal(jnp.array([0, 9]), jnp.array([index + 1] * 2), 1, offset=index)
+    np.testing.assert_array_equal(mask.kv_start[:, 0], [0, 9])
+    np.testing.assert_array_equal(mask.kv_end[:, 0], [51, 51])
+    oracle = attention_ref.masked_attention(q, k, v, mask.dense(slots))
+    for impl in ("pallas", "xla"):
+        _report(f"decode (cache window) {impl}", attention_api.attention(q, k, v, mask, implementation=impl),
+                oracle, jnp.bfloat16)
 
 
-def test_masked_attention_rejects_non_interval_rows_loudly():
-    q = jnp.ones((1, 2, 2, 16))
-    mask = jnp.asarray([[[True, False, True, False], [True, True, False, False]]])
-    k = jnp.ones((1, 4, 1, 16))
-    out = np.asarray(attention_api.masked_attention(q, k, k, mask, implementation="pallas"))
-    assert np.all(np.isnan(out[0, 0])) and np.all(np.isfinite(out[0, 1]))
-    lo, hi, ok = attention_api.mask_intervals(mask)
-    np.testing.assert_array_equal(ok, [[False, True]])
-    np.testing.assert_array_equal(hi, [[3, 2]])
+def test_mask_constructors_describe_the_masks_they_name():
+    causal = AttentionMask.causal(jnp.array([2, 0]), jnp.array([5, 3]), 5)
+    pos = np.arange(5)
+    for b, (start, end) in enumerate([(2, 5), (0, 3)]):
+        real = (pos >= start) & (pos < end)
+        want = real[:, None] & real[None, :] & (pos[:, None] >= pos[None, :])
+        np.testing.assert_array_equal(causal.dense(5)[b], want)
+    seg = jnp.asarray([0, 0, 1, 1, 1, -1])
+    ids = np.asarray(seg)
+    want = (ids[:, None] == ids[None, :]) & (ids[None, :] >= 0)
+    np.testing.assert_array_equal(AttentionMask.segments(seg).dense(6)[0], want)
+
+
+def test_attention_refuses_a_mismatched_description():
+    q = jnp.zeros((1, 4, 2, 16))
+    with pytest.raises(ValueError, match="mask describes"):
+        attention_api.attention(q, q, q, AttentionMask.causal(jnp.array([0]), jnp.array([3]), 3))
 
 
 def test_references_agree_with_masked_attention():

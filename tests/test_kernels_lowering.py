@@ -19,6 +19,7 @@ from jax import export
 
 from pallas_kernels import _dispatch
 from pallas_kernels.attention import api as attention_api
+from pallas_kernels.attention.mask import AttentionMask
 from pallas_kernels.pos_embed import api as pos_api
 
 TRITON = "__gpu$xla.gpu.triton"
@@ -101,22 +102,26 @@ def test_decode_lowers(model, batch, cache):
 
 
 @pytest.mark.parametrize("model", list(LLM))
-def test_masked_attention_lowers_for_prefill_and_decode(model):
-    """The model's own op (masked_attention) on the LM shapes: prefill -> flash, decode -> split-K."""
+def test_model_attention_lowers_for_prefill_and_decode(model):
+    """The model's own op (`attention` with an `AttentionMask`) on the LM shapes: prefill -> flash,
+    decode -> split-K."""
     heads, kv_heads = LLM[model]
     length, slots = 1024, 4096
-    prefill = _lower(
-        lambda q, k, v, m: attention_api.masked_attention(q, k, v, m, implementation="pallas"),
-        _spec((2, length, heads, 128)), _spec((2, length, kv_heads, 128)), _spec((2, length, kv_heads, 128)),
-        _spec((2, length, length), jnp.bool_),
-    )
-    assert _count_kernels(prefill, "flash_attention") >= 1
-    decode = _lower(
-        lambda q, k, v, m: attention_api.masked_attention(q, k, v, m, implementation="pallas"),
-        _spec((2, 1, heads, 128)), _spec((2, slots, kv_heads, 128)), _spec((2, slots, kv_heads, 128)),
-        _spec((2, 1, slots), jnp.bool_),
-    )
-    assert _count_kernels(decode, "decode_attention") >= 1
+
+    def prefill(q, k, v, starts):
+        mask = AttentionMask.causal(starts, jnp.full_like(starts, length), length)
+        return attention_api.attention(q, k, v, mask, implementation="pallas")
+
+    def decode(q, k, v, starts, index):
+        mask = AttentionMask.causal(starts, jnp.full_like(starts, index + 1), 1, offset=index)
+        return attention_api.attention(q, k, v, mask, implementation="pallas")
+
+    module = _lower(prefill, _spec((2, length, heads, 128)), _spec((2, length, kv_heads, 128)),
+                    _spec((2, length, kv_heads, 128)), _spec((2,), jnp.int32))
+    assert _count_kernels(module, "flash_attention") >= 1
+    module = _lower(decode, _spec((2, 1, heads, 128)), _spec((2, slots, kv_heads, 128)),
+                    _spec((2, slots, kv_heads, 128)), _spec((2,), jnp.int32), _spec((), jnp.int32))
+    assert _count_kernels(module, "decode_attention") >= 1
 
 
 @pytest.mark.parametrize("block_q,block_k", [(64, 64), (128, 64), (64, 128), (128, 128)])

@@ -1,11 +1,11 @@
 """The tiny model with `attention_implementation="pallas"` (interpreted on CPU) equals the XLA path,
 and the kernels are really in the traced / lowered model (no silent fallback).
 
-- Vision tower: `encode_vision` routes through `attention_api.varlen_attention` and
-  `pos_embed_api.interpolate_pos_embed`.
-- Language model: the model calls `attention_api.masked_attention`; its Pallas path turns the
-  causal / padding / cache-window masks into per-row key intervals and runs the flash kernel
-  (prefill, L > 1) or the split-K decode kernel (L == 1).
+- Vision tower: `encode_vision` calls `attention_api.attention` under a segments description
+  and `pos_embed_api.interpolate_pos_embed`.
+- Language model: the decoder calls `attention_api.attention` under a causal description (per query
+  row, one run of keys); the Pallas path runs the flash kernel (prefill, L > 1) or the split-K decode
+  kernel (L == 1).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from jax import export
 
 from pallas_kernels import _dispatch
 from qwen3vl_jax import Qwen3VL
+from qwen3vl_jax.model import causal_padding_mask
 
 GRID = np.array([[1, 8, 12], [2, 4, 4], [1, 2, 6]])  # uneven images, a 2-slice video, a tiny image
 
@@ -119,7 +120,7 @@ def test_vision_tower_lowered_for_cuda_contains_the_triton_kernels(pallas_model)
 
 
 def test_language_model_lowered_for_cuda_contains_the_triton_kernels(pallas_model):
-    """The tiny LM's prefill (the model's causal + padding mask through `masked_attention`),
+    """The tiny LM's prefill (the model's causal description of left-padded rows),
     exported for CUDA, runs its attention in the Triton flash kernel. (The decode routing, L == 1
     -> split-K kernel, is lowered in test_kernels_lowering.py and run by the generate test above.)"""
     lm = pallas_model.language_model
@@ -127,14 +128,14 @@ def test_language_model_lowered_for_cuda_contains_the_triton_kernels(pallas_mode
     cfg = lm.config
     b, length = 2, 24
 
-    def prefill(embeds, positions, mask):
+    def prefill(embeds, positions, attention_mask):
         model = nnx.merge(graphdef, state)
-        return model(embeds, positions, mask, implementation="pallas")
+        return model(embeds, positions, causal_padding_mask(attention_mask), implementation="pallas").hidden
 
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     spec = jax.ShapeDtypeStruct
     with _dispatch.lowering_for_gpu():
         module = export.export(jax.jit(prefill), platforms=["cuda"], disabled_checks=checks)(
             spec((b, length, cfg.hidden_size), jnp.float32), spec((3, b, length), jnp.int32),
-            spec((b, length, length), jnp.bool_)).mlir_module()
+            spec((b, length), jnp.bool_)).mlir_module()
     assert "flash_attention" in module and "stablehlo.custom_call @__gpu$xla.gpu.triton" in module

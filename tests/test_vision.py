@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from conftest import assert_close
 from flax import nnx
 
+from pallas_kernels.attention.mask import AttentionMask
 from pallas_kernels.pos_embed import reference as pos_ref
 from qwen3vl_jax import Qwen3VL
 from qwen3vl_jax.vision import vision_metadata, vision_rotary_cos_sin, vision_rotary_inv_freq
@@ -105,7 +106,8 @@ def test_block(hf_model, jax_model):
     meta = vision_metadata(np.asarray(grid), jax_model.config.vision)
     cos, sin = vision_rotary_cos_sin(jnp.asarray(meta.rotary_ids),
                                      jnp.asarray(vision_rotary_inv_freq(jax_model.config.vision)))
-    ours = jax_model.visual.blocks[1](jnp.asarray(hidden), cos, sin, jnp.asarray(meta.segment_ids))
+    mask = AttentionMask.segments(jnp.asarray(meta.segment_ids))  # one run of keys per frame
+    ours = jax_model.visual.blocks[1](jnp.asarray(hidden), cos, sin, mask)
     assert_close(ours, ref, "f32_module", "vision block")
 
 

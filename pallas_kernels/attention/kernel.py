@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as pltr
 
 from .._shapes import pow2_at_least
 
-__all__ = ["flash_attention", "decode_attention", "segment_intervals", "dot_precision"]
+__all__ = ["flash_attention", "decode_attention", "dot_precision"]
 
 _MASKED = -1e30  # finite stand-in for -inf (no inf - inf = nan)
 _BIG = 2**30
@@ -57,23 +57,6 @@ def dot_precision(dtype):
 def _check_dim(dim: int) -> None:
     if dim < 16 or dim & (dim - 1):
         raise ValueError(f"kernel head_dim must be a power of two >= 16 (pad it first), got {dim}")
-
-
-def segment_intervals(segment_ids: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Per token, the `[first, last + 1)` key interval of its contiguous segment run.
-
-    Tokens with a negative id (padding) get the empty interval `[0, 0)`.
-    """
-    size = segment_ids.shape[-1]
-    idx = jnp.arange(size, dtype=jnp.int32)
-    boundary = segment_ids[..., 1:] != segment_ids[..., :-1]
-    true = jnp.ones(segment_ids.shape[:-1] + (1,), bool)
-    starts = jnp.concatenate([true, boundary], axis=-1)
-    ends = jnp.concatenate([boundary, true], axis=-1)
-    first = lax.cummax(jnp.where(starts, idx, 0), axis=segment_ids.ndim - 1)
-    last = lax.cummin(jnp.where(ends, idx, size - 1), axis=segment_ids.ndim - 1, reverse=True)
-    valid = segment_ids >= 0
-    return jnp.where(valid, first, 0).astype(jnp.int32), jnp.where(valid, last + 1, 0).astype(jnp.int32)
 
 
 # ---------------------------------------------------------------------------------- flash

@@ -2,16 +2,41 @@
 
 `implementation`: `"xla"` (the jnp spec), `"pallas"` (the Triton kernel; interpreted on a
 non-GPU backend) or `"auto"` (Pallas on a GPU backend, XLA elsewhere).
+
+Gradients: the kernel is forward-only; the Pallas path is a `jax.custom_vjp` whose backward is the
+spec's (a scatter-add of the weighted cotangent rows into the table: the op is linear in the table).
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from .._dispatch import IMPLEMENTATIONS, resolve
 from . import kernel, reference
 
 __all__ = ["interpolate_pos_embed", "interpolate_pos_embed_grid", "IMPLEMENTATIONS"]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _pallas_interpolate(table, indices, weights, interpret):
+    return kernel.interpolate_pos_embed(table, indices, weights, interpret=interpret)
+
+
+def _pallas_forward(table, indices, weights, interpret):
+    return _pallas_interpolate(table, indices, weights, interpret), (table, indices, weights)
+
+
+def _pallas_backward(interpret, residuals, grad):
+    table, indices, weights = residuals
+    _, pullback = jax.vjp(lambda t, w: reference.interpolate_pos_embed(t, indices, w), table, weights)
+    grad_table, grad_weights = pullback(grad)
+    return grad_table, None, grad_weights
+
+
+_pallas_interpolate.defvjp(_pallas_forward, _pallas_backward)
 
 
 def interpolate_pos_embed(table, indices, weights, *, implementation: str = "auto"):
@@ -22,7 +47,7 @@ def interpolate_pos_embed(table, indices, weights, *, implementation: str = "aut
     """
     use_pallas, interpret = resolve(implementation)
     if use_pallas:
-        return kernel.interpolate_pos_embed(table, indices, weights, interpret=interpret)
+        return _pallas_interpolate(table, indices, weights, interpret)
     return reference.interpolate_pos_embed(table, indices, weights)
 
 
