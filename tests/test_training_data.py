@@ -162,3 +162,30 @@ def test_loss_of_a_pipeline_batch_equals_hf(dataset, hf_model, jax_model):
     with torch.no_grad():
         ref = float(hf_model(**inputs, labels=torch.from_numpy(batch["labels"])).loss)
     assert_close(float(causal_lm_loss(jax_model, batch)), ref, "f32_logits", "pipeline batch loss")
+
+
+def test_no_compiles_after_the_first_epoch(dataset, jax_model):
+    """With the vision tower at the data set's encoder budgets and the loss on bucketed batches,
+    the first epoch compiles every shape there is and the second compiles nothing."""
+    from pallas_kernels._shapes import pow2_at_least
+    from qwen3vl_jax import EncoderRunner
+    from qwen3vl_jax.training.loss import COMPILE_COUNTS, _loss_from_inputs
+
+    _loss_from_inputs.clear_cache()  # other tests compiled some of these shapes already
+    runner = EncoderRunner(jax_model, budgets=dataset.encoder_budgets())
+    n = dataset.batches_per_epoch
+    start = COMPILE_COUNTS["loss"]
+    expected = set()
+    for step in range(2 * n):
+        batch = dataset.batch(step)
+        visual = int((batch["mm_token_type_ids"] != 0).sum())
+        expected.add((batch["input_ids"].shape, pow2_at_least(visual) if visual else 0))
+        loss = float(causal_lm_loss(jax_model, batch, vision_encoder=runner.encode))
+        assert np.isfinite(loss) and loss > 0
+        if step == n - 1:
+            first_epoch = (COMPILE_COUNTS["loss"] - start, runner.num_compiles)
+    assert first_epoch == (COMPILE_COUNTS["loss"] - start, runner.num_compiles)
+    assert first_epoch[0] == len(expected)
+    assert first_epoch[1] <= len(dataset.encoder_budgets())
+    print(f"loss compiles {first_epoch[0]} for shapes {sorted(expected)}; encoder compiles {first_epoch[1]} "
+          f"for budgets {dataset.encoder_budgets()}")

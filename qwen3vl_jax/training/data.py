@@ -215,6 +215,11 @@ class SFTDataset:
         """Every batch shape this set yields: `(batch_size, length bucket, vision bucket)`."""
         return [(self.batch_size, length, vision) for length, vision in self._bucket_sizes]
 
+    def encoder_budgets(self) -> list[int]:
+        """Merged-token budgets that hold any batch's visual tokens in one vision-encoder call
+        (`EncoderRunner(model, budgets=...)`): `batch_size * vision bucket` per bucket in use."""
+        return sorted({self.batch_size * vision for _, vision in self._bucket_sizes if vision})
+
     @functools.lru_cache(maxsize=2)  # noqa: B019 (one data set per run; the plan is rebuilt per epoch)
     def epoch_plan(self, epoch: int) -> list[tuple[tuple[int, int], list[int], int]]:
         """The batches of one epoch in order: `(bucket, row indices, number of real rows)`."""

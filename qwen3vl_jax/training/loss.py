@@ -13,22 +13,34 @@ number per token. The scan body is rematerialized (`jax.checkpoint`), so the bac
 recomputes a chunk's logits instead of storing them: the largest float32 array is
 `[chunk_size, V]`.
 
+Shapes: the jitted part sees `[B, L]` token arrays and the visual features padded to a power of
+two of rows (`[N', E]`, N' >= N merged visual tokens), so a data set with fixed length buckets
+compiles once per (length bucket, N') pair; `COMPILE_COUNTS["loss"]` counts the traces, as
+`qwen3vl_jax/generate.py` counts its own.
+
 Axes: B batch, L tokens, E hidden, V vocabulary, N = B*L tokens, C chunk.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels._shapes import pow2_at_least
+
 from ..model import MODEL_INPUTS
 from .forward import final_hidden_states
 from .labels import IGNORE_INDEX
 
-__all__ = ["causal_lm_loss", "shift_labels", "chunked_cross_entropy"]
+__all__ = ["causal_lm_loss", "shift_labels", "chunked_cross_entropy", "COMPILE_COUNTS"]
+
+COMPILE_COUNTS: collections.Counter = collections.Counter()
+"""Traces of the jitted loss ("loss"); incremented at trace time only."""
 
 
 def shift_labels(labels: jnp.ndarray) -> jnp.ndarray:
@@ -67,13 +79,24 @@ def chunked_cross_entropy(hidden: jnp.ndarray, targets: jnp.ndarray, project, ch
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size"))
 def _loss_from_inputs(graphdef, state, inputs, labels, *, chunk_size):
+    COMPILE_COUNTS["loss"] += 1
     model = nnx.merge(graphdef, state)
     hidden = final_hidden_states(model, inputs)
     total, count = chunked_cross_entropy(hidden, shift_labels(labels), model.logits, chunk_size)
     return total / jnp.maximum(count, 1).astype(jnp.float32)
 
 
-def causal_lm_loss(model, batch, chunk_size: int = 1024) -> jnp.ndarray:
+def _pad_visual_rows(inputs):
+    """Features and deepstack padded to a power of two of rows (never indexed: `visual_index` < N)."""
+    if inputs.features is None:
+        return inputs
+    n = inputs.features.shape[0]
+    pad = pow2_at_least(n) - n
+    return dataclasses.replace(inputs, features=jnp.pad(inputs.features, ((0, pad), (0, 0))),
+                               deepstack=jnp.pad(inputs.deepstack, ((0, 0), (0, pad), (0, 0))))
+
+
+def causal_lm_loss(model, batch, chunk_size: int = 1024, vision_encoder=None) -> jnp.ndarray:
     """Mean next-token cross-entropy over the supervised tokens, a float32 scalar.
 
     Args:
@@ -81,6 +104,8 @@ def causal_lm_loss(model, batch, chunk_size: int = 1024) -> jnp.ndarray:
       batch: the processor's outputs (the keys of `qwen3vl_jax.model.MODEL_INPUTS`; others are
         ignored) plus `labels [B, L]` (-100 = not supervised; see `training.labels`).
       chunk_size: tokens per LM-head call (memory, not numerics: any value gives the same loss).
+      vision_encoder: as in `Qwen3VL.prepare_inputs`, e.g. `EncoderRunner(model, budgets=
+        data.encoder_budgets()).encode` so the vision tower runs at a fixed set of budgets.
     A pure function of `(model, batch)`: the host-side bookkeeping (mRoPE positions, placeholder
     checks) reads only the batch, so `nnx.grad(causal_lm_loss)(model, batch)` differentiates the
     parameters.
@@ -91,6 +116,8 @@ def causal_lm_loss(model, batch, chunk_size: int = 1024) -> jnp.ndarray:
     ids_shape = tuple(batch["input_ids"].shape)
     if labels.shape != ids_shape:
         raise ValueError(f"labels shape {labels.shape} != input_ids shape {ids_shape}")
-    inputs = model.prepare_inputs(**{k: batch[k] for k in MODEL_INPUTS if batch.get(k) is not None})
+    inputs = model.prepare_inputs(**{k: batch[k] for k in MODEL_INPUTS if batch.get(k) is not None},
+                                  vision_encoder=vision_encoder)
+    inputs = _pad_visual_rows(inputs)
     graphdef, state = nnx.split(model)
     return _loss_from_inputs(graphdef, state, inputs, labels, chunk_size=chunk_size)
