@@ -150,3 +150,21 @@ def test_parts_and_bad_names():
     assert not decays("language_model.layers.self_attn.q_norm.weight")
     assert not decays("visual.blocks.0.norm1.scale") and not decays("visual.blocks.0.attn.qkv.bias")
     assert decays("language_model.embed_tokens.embedding") and decays("visual.merger.linear_fc1.kernel")
+
+
+def test_works_as_an_nnx_optimizer(tiny_dir):
+    """The same transformation drives `nnx.Optimizer` on the model's own state tree (Variables, not
+    a pure dict): the frozen vision tower stays put, the merger and language model move."""
+    from qwen3vl_jax import Qwen3VL
+
+    model = Qwen3VL.from_pretrained(tiny_dir)  # a private copy: the update edits it in place
+    optimizer = nnx.Optimizer(model, build_optimizer(OptimConfig(learning_rate=1e-2, freeze=("vision",))),
+                              wrt=nnx.Param)
+    before = flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    grads = jax.tree.map(np.ones_like, nnx.state(model, nnx.Param))
+    optimizer.update(model, grads)
+    optimizer.update(model, grads)  # a second update, from the carried Adam state
+    after = flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    for path, value in after.items():
+        moved = not np.array_equal(value, before[path])
+        assert moved == (param_part(path) != "vision"), path
