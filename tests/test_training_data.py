@@ -131,7 +131,8 @@ def test_unusable_rows_are_skipped_and_counted(tmp_path, processor, caplog):
     assert [s.line for s in dataset.skipped] == [5, 6, 7]
     reasons = [s.reason for s in dataset.skipped]
     assert reasons[0].startswith("image file not found: ") and reasons[0].endswith("missing.png")
-    assert reasons[1].startswith("could not process: could not read image file ") and "broken.png" in reasons[1]
+    assert reasons[1].startswith("could not process: could not read image file ")
+    assert "broken.png" in reasons[1]
     assert reasons[2].endswith("tokens, longer than max_length 128")
     assert sum("skipped" in r.message for r in caplog.records) == 3
     with pytest.raises(ValueError, match=r"line 5: image file not found: .*missing.png"):
@@ -155,7 +156,7 @@ def test_malformed_lines_are_errors_naming_the_line(tmp_path, processor, bad, ma
 
 
 def test_loss_of_a_pipeline_batch_equals_hf(dataset, hf_model, jax_model):
-    """A right-padded batch from the pipeline (with a video or image), HF's labels loss on the same weights."""
+    """A right-padded pipeline batch with media: HF's labels loss on the same weights."""
     step = next(s for s in range(dataset.batches_per_epoch) if dataset.epoch_plan(0)[s][0][1])
     batch = dataset.batch(step)
     inputs = {k: torch.from_numpy(np.asarray(batch[k])) for k in MODEL_INPUTS if k in batch}

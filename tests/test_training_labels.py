@@ -74,7 +74,8 @@ def test_without_conversations_and_open_final_turn(processor):
     texts = processor.apply_chat_template(CONVERSATIONS)
     texts[1] = texts[1][: texts[1].rindex("<|im_end|>")]
     batch = processor(text=texts, images=[random_image(64, 96, 0)], videos=[random_video(4, 64, 64, 1)],
-                      video_metadata=[{"fps": 2.0, "total_num_frames": 4}], padding=True, padding_side="right",
+                      video_metadata=[{"fps": 2.0, "total_num_frames": 4}], padding=True,
+                      padding_side="right",
                       return_tensors="np")
     labels = assistant_labels(batch["input_ids"], batch["attention_mask"], processor)
     ids, supervised = batch["input_ids"], labels != IGNORE_INDEX

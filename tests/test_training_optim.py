@@ -57,9 +57,11 @@ def test_schedule_formula_and_hf():
         assert float(schedule(step)) == pytest.approx(expected, rel=1e-5, abs=3e-10), step
         if step <= 100:  # past the end HF's cosine rises again; ours stays at the end value
             assert float(schedule(step)) == pytest.approx(hf_values[step], rel=1e-5, abs=3e-10), step
-    with_end = learning_rate_schedule(1.0, OptimConfig(warmup_steps=2, total_steps=12, end_learning_rate_ratio=0.1))
+    ends = OptimConfig(warmup_steps=2, total_steps=12, end_learning_rate_ratio=0.1)
+    with_end = learning_rate_schedule(1.0, ends)
     for step in (0, 1, 2, 7, 12, 20):
-        assert float(with_end(step)) == pytest.approx(cosine_with_warmup(step, 1.0, 2, 12, 0.1), rel=1e-5), step
+        expected = cosine_with_warmup(step, 1.0, 2, 12, 0.1)
+        assert float(with_end(step)) == pytest.approx(expected, rel=1e-5), step
 
 
 def test_adamw_steps_equal_torch(params):
@@ -136,14 +138,16 @@ def test_accumulation_is_one_step_on_the_mean_gradient(params):
 
 
 def test_parts_and_bad_names():
-    with pytest.raises(ValueError, match="unknown model part 'visual'; the parts are vision, merger, language"):
+    with pytest.raises(ValueError, match="unknown model part 'visual'; the parts are vision, merger, "
+                                         "language"):
         OptimConfig(freeze=("visual",))
     with pytest.raises(ValueError, match="unknown model part 'llm'"):
         OptimConfig(part_learning_rates={"llm": 1e-4})
     with pytest.raises(ValueError, match="every part is frozen"):
         OptimConfig(freeze=tuple(PARTS))
     # Both the per-layer list layout and the stacked one (a leading layer axis, no index).
-    assert param_part("visual.blocks.3.attn.qkv.kernel") == param_part("visual.blocks.attn.qkv.kernel") == "vision"
+    assert param_part("visual.blocks.3.attn.qkv.kernel") == "vision"
+    assert param_part("visual.blocks.attn.qkv.kernel") == "vision"
     assert param_part("visual.deepstack_merger_list.norm.scale") == "merger"
     assert param_part("language_model.layers.self_attn.q_proj.kernel") == "language"
     assert param_part("lm_head.kernel") == "language"

@@ -252,7 +252,8 @@ class SFTDataset:
         labels[real:] = IGNORE_INDEX
         pad = length - out["input_ids"].shape[1]
         if pad < 0:
-            raise AssertionError(f"batch {step}: {out['input_ids'].shape[1]} tokens exceed the bucket {length}")
+            raise AssertionError(f"batch {step}: {out['input_ids'].shape[1]} tokens exceed the bucket "
+                                 f"{length}")
         widths = ((0, 0), (pad, 0) if self.padding_side == "left" else (0, pad))
         pad_id = self.processor.pad_token_id
         out["input_ids"] = np.pad(out["input_ids"], widths, constant_values=pad_id)

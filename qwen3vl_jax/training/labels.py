@@ -36,7 +36,8 @@ def _token_id(processor, token: str) -> int:
     return int(token_id)
 
 
-def assistant_spans(ids: np.ndarray, mask: np.ndarray, header: np.ndarray, end_id: int) -> list[tuple[int, int]]:
+def assistant_spans(ids: np.ndarray, mask: np.ndarray, header: np.ndarray,
+                    end_id: int) -> list[tuple[int, int]]:
     """`[(start, stop), ...]` of one row: content after each header through the closing token.
 
     `stop` is exclusive and includes the `end_id` token; an assistant turn still open at the end of
@@ -57,8 +58,8 @@ def assistant_spans(ids: np.ndarray, mask: np.ndarray, header: np.ndarray, end_i
     return spans
 
 
-def assistant_labels(input_ids, attention_mask, processor, conversations: Sequence[Sequence[dict]] | None = None
-                     ) -> np.ndarray:
+def assistant_labels(input_ids, attention_mask, processor,
+                     conversations: Sequence[Sequence[dict]] | None = None) -> np.ndarray:
     """`[B, L]` int64 labels: the token id inside assistant turns, -100 elsewhere.
 
     Args:
