@@ -139,6 +139,13 @@ def test_unusable_rows_are_skipped_and_counted(tmp_path, processor, caplog):
         SFTDataset(path, processor, **SETTINGS, strict=True)
 
 
+def test_rows_beyond_the_vision_ladder_are_skipped(data_path, processor):
+    dataset = SFTDataset(data_path, processor, **{**SETTINGS, "vision_buckets": (8,)})
+    too_many = [r for r in dataset.skipped if "vision tokens, more than the largest vision bucket 8" in r.reason]
+    assert too_many and len(too_many) == len(dataset.skipped)
+    assert all(row.vision_tokens <= 8 for row in dataset.rows) and dataset.rows
+
+
 @pytest.mark.parametrize("bad,match", [
     ('{"messages": [', r"line 2: not valid JSON"),
     ({"conversation": []}, r"line 2: expected an object with a non-empty 'messages' list"),

@@ -12,8 +12,9 @@ no assistant message) is an error naming the line.
 
 Scanning: every row is processed once when the data set is built (the processor decodes its media),
 which gives its exact token count and merged vision-token count. A row whose media file is missing
-or unreadable, or that is longer than `max_length`, is skipped with a logged reason and counted in
-`skipped` (or refused with `strict=True`); no row is ever truncated.
+or unreadable, that is longer than `max_length`, or whose vision tokens exceed the largest vision
+bucket, is skipped with a logged reason and counted in `skipped` (or refused with `strict=True`);
+no row is ever truncated.
 
 Batches: each row falls in a bucket `(length bucket, vision bucket)` from two fixed ladders
 (`buckets.Buckets`), so every batch has `input_ids [batch_size, length bucket]` and at most
@@ -206,6 +207,9 @@ class SFTDataset:
             return Skipped(line, f"{length} tokens, longer than max_length {self.max_length}")
         vision = int(np.isin(out["input_ids"], [self.processor.image_token_id,
                                                 self.processor.video_token_id]).sum())
+        if vision > self.vision_buckets.largest:
+            return Skipped(line, f"{vision} vision tokens, more than the largest vision bucket "
+                                 f"{self.vision_buckets.largest}")
         bucket = (self.length_buckets.fit(length), self.vision_buckets.fit(vision) if vision else 0)
         return _Row(line, messages, length, vision, bucket)
 
