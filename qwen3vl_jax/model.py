@@ -385,12 +385,17 @@ class Qwen3VL(nnx.Module):
 
     def forward(self, inputs: MultimodalInputs, *, return_hidden_states: bool = False):
         """Logits `[B, L, V]` (and per-layer hidden states) for prepared inputs; jit / grad friendly."""
-        embeds, deepstack = self.embed(inputs)
-        out = self.language_model(embeds, inputs.positions, causal_padding_mask(inputs.attention_mask), deepstack,
-                                  implementation=self.attention_implementation,
-                                  return_hidden_states=return_hidden_states)
+        out = self.forward_hidden(inputs, return_hidden_states=return_hidden_states)
         logits = self.logits(out.hidden)
         return (logits, out.hidden_states) if return_hidden_states else logits
+
+    def forward_hidden(self, inputs: MultimodalInputs, *, return_hidden_states: bool = False):
+        """The forward up to the LM head: a `TextOutput` with the final-norm hidden states `[B, L, E]`
+        (e.g. for a loss that projects them through `logits` a chunk at a time)."""
+        embeds, deepstack = self.embed(inputs)
+        return self.language_model(embeds, inputs.positions, causal_padding_mask(inputs.attention_mask), deepstack,
+                                   implementation=self.attention_implementation,
+                                   return_hidden_states=return_hidden_states)
 
     def embed(self, inputs: MultimodalInputs):
         """Token embeddings with visual features spliced in, and the per-level deepstack additions.

@@ -285,3 +285,88 @@ def make_tiny_checkpoint(
         "return_metadata": True,
     })
     return directory
+
+
+# ----------------------------------------------------------------------------------------------
+# A tiny fine-tuning data set: media files plus a JSONL of conversations
+
+__all__ += ["write_video", "make_tiny_dataset"]
+
+
+def write_video(path: str | os.PathLike, frames: np.ndarray, fps: float, codec: str = "mpeg4") -> str:
+    """Encode uint8 frames `(T, H, W, 3)` to a video file with PyAV; returns the path."""
+    from fractions import Fraction
+
+    import av
+
+    with av.open(os.fspath(path), "w") as container:
+        stream = container.add_stream(codec, rate=Fraction(fps).limit_denominator(1001))
+        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.pix_fmt = "yuv420p"
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return os.fspath(path)
+
+
+_QUESTIONS = ["What is in the picture?", "Describe this image.", "What happens in the video?",
+              "How are you today?", "What color is the square?"]
+_ANSWERS = ["A red square and a blue circle.", "The quick brown fox jumps over the lazy dog.",
+            "A red square moves across a gray background.", "I am fine, thank you.",
+            "It is red, on the left.", "A static object in the center."]
+
+
+def make_tiny_dataset(directory: str | os.PathLike, *, num_rows: int = 12, seed: int = 0,
+                      name: str = "train.jsonl") -> str:
+    """Write a small fine-tuning set under `directory` and return the JSONL path.
+
+    Rows cycle through four kinds: one image, one short video (mp4), text only, and a two-turn
+    conversation with a system prompt and an image; media have seeded sizes and contents (a
+    background with a moving square), so the rows fall into a few length buckets. Media paths in
+    the JSONL are relative to it, as `qwen3vl_jax.training.data` expects.
+    """
+    from PIL import Image
+
+    directory = os.fspath(directory)
+    os.makedirs(os.path.join(directory, "media"), exist_ok=True)
+    rng = np.random.default_rng(seed)
+
+    def picture(height, width):
+        image = np.full((height, width, 3), rng.integers(60, 200, 3), np.uint8)
+        top, left = rng.integers(0, height - 16), rng.integers(0, width - 16)
+        image[top:top + 16, left:left + 16] = rng.integers(0, 256, 3)
+        return image
+
+    rows = []
+    for i in range(num_rows):
+        kind = i % 4
+        question, answer = _QUESTIONS[i % len(_QUESTIONS)], _ANSWERS[i % len(_ANSWERS)]
+        if kind in (0, 3):
+            file = f"media/image_{i}.png"
+            height, width = (int(s) for s in rng.choice([48, 64, 96, 128], 2))
+            Image.fromarray(picture(height, width)).save(os.path.join(directory, file))
+            user = [{"type": "image", "image": file}, {"type": "text", "text": question}]
+        elif kind == 1:
+            file = f"media/clip_{i}.mp4"
+            frames = int(rng.integers(4, 9))
+            video = np.repeat(picture(48, 64)[None], frames, axis=0)
+            for t in range(frames):  # the square moves one step per frame
+                video[t, 16:32, 4 * t:4 * t + 16] = (255, 32, 32)
+            write_video(os.path.join(directory, file), video, fps=4)
+            user = [{"type": "video", "video": file}, {"type": "text", "text": question}]
+        else:
+            user = [{"type": "text", "text": question}]
+        messages = [{"role": "user", "content": user},
+                    {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
+        if kind == 3:
+            messages = ([{"role": "system", "content": "You are a helpful assistant."}] + messages
+                        + [{"role": "user", "content": [{"type": "text", "text": "And the background?"}]},
+                           {"role": "assistant", "content": [{"type": "text", "text": "It is gray."}]}])
+        rows.append({"messages": messages})
+    path = os.path.join(directory, name)
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
