@@ -124,7 +124,7 @@ def video_block_metadata(timestamp_lengths: Sequence[int], rows: int, cols: int,
     per-frame embedding order `B = concat_f(timestamp_f, VS, VID * n_f, VE)`.
 
     `t, h, w` are the token's positions in the unpruned per-frame layout started at 0, so kept video
-    tokens carry their unpruned relative positions (docs/pruning.md, "vLLM's bookkeeping"). `timestamp_lengths[f]` is the
+    tokens carry their unpruned relative positions (docs/pruning.md §5.3 step 4). `timestamp_lengths[f]` is the
     number of tokens of frame f's `<t.t seconds>` text; `mask` the flat frame-major keep mask.
     """
     tpf = int(rows) * int(cols)

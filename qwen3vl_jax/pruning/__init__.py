@@ -12,8 +12,8 @@ also gets `text=PromptText(ids, embeds)`). Register it with `register_method(nam
 and the ablation. `rows` are the full encoder rows `[merged | deepstack_0 | ...]` (`concat_levels`) in
 flat frame-major order `t*R*C + r*C + c`. Rate 0 (or None) means pruning is off.
 
-The built-in modules also expose their jitted cores: `evs.keep_mask`, `vidcom2.keep_mask`,
-`keep_indices(...)` (ascending kept indices of static shape K).
+The built-in modules also expose their jitted cores: `evs.keep_mask` / `vidcom2.keep_mask` and
+`evs.keep_indices` / `vidcom2.keep_indices` (ascending kept indices of static shape K).
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ __all__ = [
     "validate_video_pruning",
     "retained_count",
     "retention_mask",
-    "keep_indices",
     # orchestration (what the model calls)
     "PrunedInputs",
     "plan_videos",
@@ -74,10 +73,3 @@ register_method("vidcom2", vidcom2)
 register_method("random", baselines.RandomSelection(seed=0))
 register_method("spatial_grid", baselines.SpatialGrid())
 register_method("temporal", baselines.TemporalSubsample())
-
-
-def keep_indices(method: str, embeds, grid_thw, spatial_merge_size: int, q: float):
-    """int32 `[K]` ascending kept flat indices of one video under a built-in method's jitted core."""
-    if method not in ("evs", "vidcom2"):
-        raise ValueError(f"keep_indices is the static-shape core of 'evs' and 'vidcom2', not {method!r}")
-    return get_method(method).keep_indices(embeds, grid_thw, spatial_merge_size, q)
