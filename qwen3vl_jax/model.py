@@ -182,10 +182,11 @@ class Qwen3VL(nnx.Module):
         Args:
           input_ids ... video_grid_thw: processor outputs. `mm_token_type_ids` defaults to 1 at image
             pads, 2 at video pads, 0 elsewhere (what the processor emits).
-          video_pruning: `(method, rate)` with method "evs" or "vidcom2" and rate in [0, 1) (0 = off).
+          video_pruning: `(method, rate)`, a registered method (`qwen3vl_jax.pruning`) and rate in [0, 1) (0 = off).
             The prompt must then be built by the processor with the same option (each video's K
             retained tokens lumped into frame 0); the encoder output decides which tokens are kept,
-            and the sequence is rebuilt per frame with the kept tokens at their unpruned positions.
+            and the sequence is rebuilt per frame with the kept tokens at their unpruned positions
+            (shorter than the prompt when an adaptive method keeps fewer: docs/pruning.md §8.2).
           vision_encoder: a callable `(pixel_values, grid_thw) -> (merged, deepstack)` used instead of
             `encode_vision`, e.g. `EncoderRunner(model).encode` for bucketed, precompiled encoding.
         Raises ValueError when placeholders and visual inputs disagree.
