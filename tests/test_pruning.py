@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import vllm_reference as P
 
 from qwen3vl_jax.mrope import get_rope_index
 from qwen3vl_jax.pruning import (
@@ -20,8 +21,6 @@ from qwen3vl_jax.pruning import (
     vidcom2,
 )
 from qwen3vl_jax.pruning.prompt import sequence_keep_mask
-
-import vllm_reference as P
 
 METHODS = ["evs", "vidcom2"]
 

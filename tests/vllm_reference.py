@@ -1,5 +1,5 @@
 """Test oracles for video pruning: the closed form of the positions after pruning, and vLLM 0.33.0's
-own bookkeeping reproduced for parity checks (docs/pruning.md, "Positions after pruning").
+own bookkeeping reproduced for parity checks (docs/pruning.md §5).
 
 The package itself rebuilds pruned prompts with `qwen3vl_jax.pruning.prompt.prune_prompt`; these
 functions are independent formulations the tests compare it with:

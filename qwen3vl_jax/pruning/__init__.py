@@ -1,7 +1,7 @@
 """Video token pruning for Qwen3-VL: a registry of methods (EVS and VidCom2 with vLLM 0.33.0's counts,
 masks and tie rules; content-blind baselines; your own), and the orchestration the model calls.
 
-Spec and protocol: docs/pruning.md. A method is any object with
+Spec and protocol: docs/pruning.md (§8 the registry). A method is any object with
 
   retained_count(tokens_per_frame, num_frames, rate) -> int     K, the placeholder size
   retention_mask(rows [N, D_tot], grid_thw, spatial_merge_size, rate) -> bool [N]   (one video, K trues)

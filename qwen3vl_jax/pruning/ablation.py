@@ -291,7 +291,7 @@ def summarize(rows: Iterable[AblationRow]) -> list[SummaryRow]:
             acc = float(np.mean(graded))
             low, high = bootstrap_ci(np.asarray(graded, np.float64))
 
-        def mean(field):
+        def mean(field, group=group):
             return float(np.mean([getattr(r, field) for r in group]))
 
         out.append(SummaryRow(

@@ -1,4 +1,4 @@
-"""Pruning orchestration: the one entry point the model calls (docs/pruning.md, "How the model prunes").
+"""Pruning orchestration: the one entry point the model calls (docs/pruning.md §5.8).
 
   plan_videos(video_grid_thw, spatial_merge_size, spec)      -> [VideoPlan]: grid, tpf, K per video
   placeholder_tokens(video_grid_thw, spatial_merge_size, spec) -> the video tokens the lumped prompt holds

@@ -1,4 +1,4 @@
-"""Content-blind baselines, registered like any method (docs/pruning.md, "Baselines").
+"""Content-blind baselines, registered like any method (docs/pruning.md §9).
 
 Each keeps exactly `rate_count(tpf, T, rate) = max(1, int(N * (1 - rate)))` of the N = T * tpf
 video tokens (the count the rate asks for, in the same double arithmetic as EVS and VidCom2, without

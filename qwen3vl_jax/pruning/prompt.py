@@ -3,7 +3,7 @@
 With pruning on, the processor sizes each video's placeholder for the K retained tokens and puts
 all of them in frame 0 (`<t0><VS>` K pads `<VE>` `<t1><VS><VE>` ...), as vLLM does, because the
 mask is only known after the encoder has run. Once it is known (`c_f` trues in frame f),
-`prune_prompt` rebuilds each row (docs/pruning.md, "Positions after pruning"):
+`prune_prompt` rebuilds each row (docs/pruning.md §5.6, §5.8):
 
 1. the unpruned layout: every frame slot `<VS><VE>` refilled with all `R*C` video tokens;
 2. its standard mRoPE positions (`get_rope_index`);

@@ -1,6 +1,6 @@
 """The pruning-method registry: names -> method objects, and the checks every method passes through.
 
-A method is any object (a module, a class instance) with two callables (docs/pruning.md, "Registry"):
+A method is any object (a module, a class instance) with two callables (docs/pruning.md §8):
 
     retained_count(tokens_per_frame, num_frames, rate) -> int
         K, the number of video tokens the processor sizes the prompt placeholder for, known before
