@@ -279,12 +279,13 @@ def run_ablation(
 
 
 def summarize(rows: Iterable[AblationRow]) -> list[SummaryRow]:
-    """Per (method, rate): accuracy with its 95% bootstrap interval over items, and the means."""
+    """Per (method, rate), the unpruned row first: accuracy with its 95% bootstrap interval over items,
+    and the means of the other figures (the peak memory's maximum)."""
     groups: dict[tuple[str, float], list[AblationRow]] = {}
     for row in rows:
         groups.setdefault((row.method, float(row.rate)), []).append(row)
     out = []
-    for (method, rate), group in sorted(groups.items()):
+    for (method, rate), group in sorted(groups.items(), key=lambda kv: (kv[0][0] != UNPRUNED, kv[0])):
         graded = [r.correct for r in group if r.correct is not None]
         acc = low = high = None
         if graded:
