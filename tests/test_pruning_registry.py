@@ -110,8 +110,16 @@ def test_mask_shape_dtype_and_count_range_are_checked(registered):
     with pytest.raises(ValueError, match=r"mask of shape \(5,\).*must be bool \[12\]"):
         retention_mask("wrong_shape", np.zeros((12, 3)), (3, 4, 4), 2, 0.5)
     registered("too_many", TooMany())
-    with pytest.raises(ValueError, match=r"returned 13; it must be an int in \[0, 12\]"):
+    with pytest.raises(ValueError, match=r"returned 13; it must be an int in \[1, 12\]"):
         pruning.retained_count("too_many", 4, 3, 0.5)
+
+    class NoneKept(KeepFirst):
+        def retained_count(self, tokens_per_frame, num_frames, rate):
+            return 0
+
+    registered("none_kept", NoneKept())
+    with pytest.raises(ValueError, match=r"returned 0; it must be an int in \[1, 12\]"):
+        pruning.retained_count("none_kept", 4, 3, 0.5)
 
 
 def test_adaptive_may_keep_fewer_but_not_more(registered):

@@ -3,8 +3,8 @@
 A method is any object (a module, a class instance) with two callables (docs/pruning.md §8):
 
     retained_count(tokens_per_frame, num_frames, rate) -> int
-        K, the number of video tokens the processor sizes the prompt placeholder for, known before
-        the encoder runs (so it may depend on the grid and the rate only).
+        K (1 <= K <= N), the number of video tokens the processor sizes the prompt placeholder for,
+        known before the encoder runs (so it may depend on the grid and the rate only).
     retention_mask(rows, grid_thw, spatial_merge_size, rate) -> bool [N]
         which of the video's N merged tokens survive; `rows` `[N, D_tot]` are its encoder rows
         `[merged | deepstack_0 | ...]` in flat frame-major order `t*R*C + r*C + c`. Exactly K trues.
@@ -169,9 +169,10 @@ def retained_count(method: str, tokens_per_frame: int, num_frames: int, rate: fl
     placeholder size; an upper bound for adaptive methods)."""
     k = get_method(method).retained_count(int(tokens_per_frame), int(num_frames), float(rate))
     total = int(tokens_per_frame) * int(num_frames)
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= int(k) <= total:
+    low = min(1, total)  # the prompt finds a video by its placeholder tokens, so a video keeps at least one
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not low <= int(k) <= total:
         raise ValueError(f"pruning method {method!r}: retained_count({tokens_per_frame}, {num_frames}, {rate}) "
-                         f"returned {k!r}; it must be an int in [0, {total}]")
+                         f"returned {k!r}; it must be an int in [{low}, {total}]")
     return int(k)
 
 
