@@ -183,3 +183,16 @@ def test_ablation_refuses_bad_settings(jax_model, processor, tmp_path):
         run_ablation(jax_model, processor, clips, out_dir=str(tmp_path), methods=("evs",), rates=(1.0,))
     with pytest.raises(ValueError, match="score must be"):
         run_ablation(jax_model, processor, clips, out_dir=str(tmp_path), score="vote")
+
+
+def test_image_items(jax_model, processor, tmp_path):
+    from PIL import Image
+
+    Image.fromarray(np.full((32, 48, 3), 200, np.uint8)).save(tmp_path / "img.png")
+    (tmp_path / "set.jsonl").write_text(json.dumps(
+        {"image": "img.png", "question": "Is it bright?", "options": ["yes", "no"], "answer": "A"}) + "\n")
+    rows = run_ablation(jax_model, processor, load_dataset(tmp_path / "set.jsonl"), out_dir=str(tmp_path / "out"),
+                        methods=("evs",), rates=(0.0, 0.5), continuation=2, timing_repeats=1, progress=False)
+    assert [(r.method, r.rate) for r in rows] == [("evs", 0.5), ("none", 0.0)]
+    assert rows[0].retained_tokens == rows[0].video_tokens > 0  # images are never pruned
+    assert rows[0].next_token_kl == 0 and rows[0].prediction in ("A", "B")
