@@ -196,3 +196,28 @@ def test_image_items(jax_model, processor, tmp_path):
     assert [(r.method, r.rate) for r in rows] == [("evs", 0.5), ("none", 0.0)]
     assert rows[0].retained_tokens == rows[0].video_tokens > 0  # images are never pruned
     assert rows[0].next_token_kl == 0 and rows[0].prediction in ("A", "B")
+
+
+def _script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "ablate_pruning.py"
+    spec = importlib.util.spec_from_file_location("ablate_pruning", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_script_synthetic_run_and_bad_dataset(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    _script().main(["--model", str(tiny_dir), "--synthetic", "2", "--out", str(out), "--methods", "spatial_grid",
+                    "--rates", "0", "0.5", "--continuation", "1", "--timing-repeats", "1"])
+    printed = capsys.readouterr().out
+    assert "spatial_grid" in printed and "none" in printed and "accuracy (95% CI)" in printed
+    for name in ("ablation.jsonl", "ablation.csv", "summary.csv", "ablation.png", "synthetic/dataset.jsonl"):
+        assert (out / name).is_file(), name
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"video": "x.mp4", "question": "Q?"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: \"options\" must be a list"):
+        _script().main(["--model", str(tiny_dir), "--dataset", str(bad), "--out", str(tmp_path / "bad")])
