@@ -5,6 +5,7 @@ default or a real checkpoint, for fidelity against the unpruned run and, with a 
         [--dataset FILE.jsonl | --synthetic N | --video FILE ...]
         [--methods evs vidcom2 random spatial_grid temporal] [--rates 0 0.25 0.5 0.75 0.9]
         [--score loglik|generate] [--fps 2] [--max-frames 768] [--continuation 16] [--timing-repeats 3]
+        [--bucketed]
 
 --dataset: one multiple-choice item per line, {"video": "clip.mp4", "question": "...",
 "options": ["A. ...", "B. ..."], "answer": "B"} ("image" instead of "video" also works; optional
@@ -40,9 +41,11 @@ def main(argv=None) -> None:
     parser.add_argument("--max-frames", type=int, default=768, help="frame cap for items that set none")
     parser.add_argument("--continuation", type=int, default=16, help="greedy tokens compared per row")
     parser.add_argument("--timing-repeats", type=int, default=3)
+    parser.add_argument("--bucketed", action="store_true",
+                        help="encode through EncoderRunner's fixed token budgets (compiled once per budget)")
     args = parser.parse_args(argv)
 
-    from qwen3vl_jax import Qwen3VL, Qwen3VLProcessor
+    from qwen3vl_jax import EncoderRunner, Qwen3VL, Qwen3VLProcessor
     from qwen3vl_jax.cli import ensure_tiny_checkpoint
     from qwen3vl_jax.pruning.ablation import builtin_videos, run_ablation, summarize
     from qwen3vl_jax.pruning.tasks import load_dataset, synthetic_dataset
@@ -58,7 +61,8 @@ def main(argv=None) -> None:
     processor = Qwen3VLProcessor.from_pretrained(path)
     rows = run_ablation(model, processor, items, out_dir=args.out, methods=args.methods, rates=args.rates,
                         score=args.score, continuation=args.continuation, fps=args.fps,
-                        max_frames=args.max_frames, timing_repeats=args.timing_repeats)
+                        max_frames=args.max_frames, timing_repeats=args.timing_repeats,
+                        vision_encoder=EncoderRunner(model).encode if args.bucketed else None)
     print(f"\n{'method':<14}{'rate':>6}{'items':>6}{'accuracy (95% CI)':>22}{'kept':>8}{'vis+pre s':>11}"
           f"{'peak MB':>9}{'KL':>10}{'top1':>6}{'match':>7}{'fps':>6}{'cap':>6}")
     for s in summarize(rows):

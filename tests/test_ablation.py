@@ -212,7 +212,7 @@ def _script():
 def test_script_synthetic_run_and_bad_dataset(tiny_dir, tmp_path, capsys):
     out = tmp_path / "run"
     _script().main(["--model", str(tiny_dir), "--synthetic", "2", "--out", str(out), "--methods", "spatial_grid",
-                    "--rates", "0", "0.5", "--continuation", "1", "--timing-repeats", "1"])
+                    "--rates", "0", "0.5", "--continuation", "1", "--timing-repeats", "1", "--bucketed"])
     printed = capsys.readouterr().out
     assert "spatial_grid" in printed and "none" in printed and "accuracy (95% CI)" in printed
     for name in ("ablation.jsonl", "ablation.csv", "summary.csv", "ablation.png", "synthetic/dataset.jsonl"):

@@ -160,6 +160,7 @@ def run_ablation(
     max_frames: int = 768,
     answer_tokens: int = 4,
     timing_repeats: int = 3,
+    vision_encoder=None,
     progress: bool = True,
     on_row: Callable[[AblationRow], None] | None = None,
 ) -> list[AblationRow]:
@@ -168,6 +169,7 @@ def run_ablation(
     `items`: `TaskItem`s (`tasks.load_dataset`, `tasks.synthetic_dataset`) or a dict of named clips
     (open-ended, `video_items`). `fps` / `max_frames`: sampling defaults for items that set none.
     `continuation`: greedy tokens compared with the unpruned run (0 skips that figure).
+    `vision_encoder`: as in `Qwen3VL.prepare_inputs`, e.g. `EncoderRunner(model).encode` (bucketed).
     """
     from tqdm.auto import tqdm
 
@@ -221,7 +223,7 @@ def run_ablation(
 
     def run(item: TaskItem, pruning):
         batch, rate_fps, cap = inputs_for(item, pruning)
-        kw = dict(video_pruning=pruning)
+        kw = {"video_pruning": pruning, "vision_encoder": vision_encoder}
         logits = np.asarray(model(**batch, **kw)[0, -1], np.float64)
         length = batch["input_ids"].shape[1]
         new = max(continuation, answer_tokens if score == "generate" else 0, 1)
