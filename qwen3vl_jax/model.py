@@ -230,11 +230,12 @@ class Qwen3VL(nnx.Module):
           input_ids ... video_grid_thw: processor outputs. `mm_token_type_ids` defaults to 1 at image
             pads, 2 at video pads, 0 elsewhere (what the processor emits). Each row's real tokens
             (`attention_mask`) must be one contiguous run (left or right padding).
-          video_pruning: `(method, rate)` with rate in [0, 1) (0 = off). The prompt must then be built
-            by the processor with the same option (each video's K retained tokens lumped into frame
-            0); the encoder output decides which tokens are kept (computed here, from concrete
-            values: the selection is not differentiated), and the sequence is rebuilt per frame with
-            the kept tokens at their unpruned positions.
+          video_pruning: `(method, rate)`, a registered method (`qwen3vl_jax.pruning`) and rate in [0, 1)
+            (0 = off). The prompt must then be built by the processor with the same option (each
+            video's K retained tokens lumped into frame 0); the encoder output decides which tokens
+            are kept (computed here, from concrete values: the selection is not differentiated), and
+            the sequence is rebuilt per frame with the kept tokens at their unpruned positions
+            (shorter than the prompt when an adaptive method keeps fewer: docs/pruning.md §8.2).
           vision_encoder: a callable `(pixel_values, grid_thw) -> (merged, deepstack)` used instead of
             `encode_vision`, e.g. `EncoderRunner(model).encode` for bucketed, precompiled encoding.
           encode: False leaves the pixels in the result for `forward` to encode (so gradients reach
@@ -263,9 +264,9 @@ class Qwen3VL(nnx.Module):
         mm_token_type_ids = np.asarray(mm_token_type_ids)
         image_grid_thw, pixel_values = _none_if_empty(image_grid_thw, pixel_values, "image")
         video_grid_thw, pixel_values_videos = _none_if_empty(video_grid_thw, pixel_values_videos, "video")
-        pruning = pruning_lib.validate_video_pruning(*video_pruning) if video_pruning else None
+        pruning = pruning_lib.validate_video_pruning(video_pruning)
         merge = cfg.vision.spatial_merge_size
-        plans = video_plans(video_grid_thw, cfg, pruning) if pruning is not None and video_grid_thw is not None else []
+        prune_videos = pruning is not None and video_grid_thw is not None
 
         groups = []  # (pixels, grid) per modality, images first
         for name, token, pixels, grid in (
@@ -277,40 +278,37 @@ class Qwen3VL(nnx.Module):
             found = int(((ids == token) & mask).sum())
             if grid is None:
                 expected = 0
-            elif name == "video" and plans:
-                expected = sum(p.keep for p in plans)
+            elif name == "video" and prune_videos:
+                expected = pruning_lib.placeholder_tokens(grid, merge, pruning)
             else:
                 expected = int(np.asarray(grid).prod(axis=-1).sum()) // cfg.vision.merge_unit
             if found != expected:
                 raise ValueError(
                     f"{name} placeholders and {name} features do not match: the prompt has {found} {name} "
                     f"tokens but the {name} inputs give {expected} merged tokens"
-                    + (f" after {pruning[0]} pruning at rate {pruning[1]}" if name == "video" and plans else "")
+                    + (f" after {pruning[0]} pruning at rate {pruning[1]}" if name == "video" and prune_videos else "")
                 )
             if grid is not None:
                 groups.append((pixels, validate_vision_inputs(pixels, grid, cfg.vision, what=name)))
 
         features = deepstack = pixels = meta = None
-        n_image = 0 if image_grid_thw is None else int(np.asarray(image_grid_thw).prod(-1).sum()) // (merge**2)
-        video_rows = None  # unpruned encoder rows of the kept video tokens, in prompt order
+        kept_rows = None  # with pruning: the unpruned encoder rows of the kept visual tokens, images first
         if groups:
             pixels = np.concatenate([np.asarray(p, np.float32) for p, _ in groups])
             grid = np.concatenate([g for _, g in groups])
-            if encode or plans:
+            if encode or prune_videos:
                 features, deepstack = (vision_encoder or self.encode_vision)(pixels, grid)
-            if plans:
+            if prune_videos:
                 if isinstance(features, jax.core.Tracer):
                     raise ValueError(
                         "video pruning selects tokens from concrete encoder outputs: call "
                         "model.prepare_inputs(..., video_pruning=..., encode=False) outside jit / grad and pass "
                         "the result to model.forward inside")
-                masks, rows = video_keep_masks(features[n_image:], deepstack[:, n_image:], plans, merge, pruning)
-                video_rows = n_image + rows
-                pruned = pruning_lib.prompt.prune_prompt(
-                    ids, mask, mm_token_type_ids, image_grid_thw, plans, masks, spatial_merge_size=merge,
-                    vision_start_token_id=cfg.vision_start_token_id, vision_end_token_id=cfg.vision_end_token_id,
-                    video_token_id=cfg.video_token_id)
-                ids, positions, deltas = pruned.input_ids, pruned.positions, pruned.rope_deltas
+                pruned = pruning_lib.prune_video_tokens(
+                    ids, mask, mm_token_type_ids, image_grid_thw, video_grid_thw, features, deepstack, pruning,
+                    config=cfg, embed_tokens=self.language_model.embed_tokens)
+                ids, mask, positions, deltas = pruned.input_ids, pruned.attention_mask, pruned.positions, pruned.rope_deltas
+                kept_rows = pruned.kept_rows
             else:
                 positions, deltas = get_rope_index(ids, mm_token_type_ids, image_grid_thw, video_grid_thw, mask,
                                                    merge)
@@ -327,8 +325,12 @@ class Qwen3VL(nnx.Module):
         visual_index = np.full(ids.shape, -1, np.int32)
         is_image = (ids == cfg.image_token_id) & mask
         is_video = (ids == cfg.video_token_id) & mask
-        visual_index[is_image] = np.arange(int(is_image.sum()))  # row-major over (batch, position), as HF scatters
-        visual_index[is_video] = n_image + np.arange(int(is_video.sum())) if video_rows is None else video_rows
+        n_image_tokens = int(is_image.sum())
+        if kept_rows is None:
+            kept_rows = np.arange(n_image_tokens + int(is_video.sum()))
+        # Row-major over (batch, position), as HF scatters; pruned rows are simply never referenced.
+        visual_index[is_image] = kept_rows[:n_image_tokens]
+        visual_index[is_video] = kept_rows[n_image_tokens:]
         return MultimodalInputs(
             input_ids=jnp.asarray(ids, jnp.int32),
             attention_mask=jnp.asarray(mask),
@@ -344,14 +346,12 @@ class Qwen3VL(nnx.Module):
     def video_retention_masks(self, pixel_values_videos, video_grid_thw, video_pruning: tuple[str, float],
                               *, vision_encoder=None) -> list[np.ndarray]:
         """Per video, the bool `[T, R, C]` map of the merged tokens `video_pruning` keeps (for plots)."""
-        pruning = pruning_lib.validate_video_pruning(*video_pruning)
+        pruning = pruning_lib.validate_video_pruning(video_pruning)
         grid = validate_vision_inputs(pixel_values_videos, video_grid_thw, self.config.vision, what="video")
-        merge = self.config.vision.spatial_merge_size
-        if pruning is None:
-            return [np.ones((t, h // merge, w // merge), bool) for t, h, w in grid]
-        merged, deepstack = (vision_encoder or self.encode_vision)(pixel_values_videos, grid)
-        masks, _ = video_keep_masks(merged, deepstack, video_plans(grid, self.config, pruning), merge, pruning)
-        return [m.reshape(t, h // merge, w // merge) for m, (t, h, w) in zip(masks, grid)]
+        merged = deepstack = None
+        if pruning is not None:
+            merged, deepstack = (vision_encoder or self.encode_vision)(pixel_values_videos, grid)
+        return pruning_lib.retention_maps(merged, deepstack, grid, self.config.vision.spatial_merge_size, pruning)
 
     def __call__(
         self,
@@ -442,34 +442,6 @@ def _none_if_empty(grid, pixels, name: str):
             raise ValueError(f"{name} grid_thw is empty but {name} pixels were given")
         return None, None
     return grid, pixels
-
-
-def video_plans(video_grid_thw, config: Qwen3VLConfig, pruning: tuple[str, float]) -> list:
-    """Per video: grid, merged tokens per frame and the retained count K under `pruning`."""
-    plans = []
-    for t, h, w in np.asarray(video_grid_thw).reshape(-1, 3):
-        tpf = int(h * w) // config.vision.merge_unit
-        keep = pruning_lib.retained_count(pruning[0], tpf, int(t), pruning[1])
-        plans.append(pruning_lib.prompt.VideoPlan((int(t), int(h), int(w)), tpf, keep))
-    return plans
-
-
-def video_keep_masks(merged, deepstack, plans, spatial_merge_size: int, pruning: tuple[str, float]):
-    """Per-video retention masks over the videos' encoder rows, and the kept rows (concatenated order).
-
-    `merged [N, O]` / `deepstack [L, N, O]` hold the videos of `plans` back to back; each video is
-    scored on its full `[merged | deepstack...]` rows by the pruning method.
-    """
-    masks, kept, offset = [], [], 0
-    for plan in plans:
-        n = plan.grid_thw[0] * plan.tokens_per_frame
-        rows = pruning_lib.concat_levels(merged[offset:offset + n], deepstack[:, offset:offset + n])
-        keep = np.asarray(pruning_lib.retention_mask(pruning[0], rows, plan.grid_thw, spatial_merge_size,
-                                                     pruning[1]))
-        masks.append(keep)
-        kept.append(offset + np.flatnonzero(keep))
-        offset += n
-    return masks, (np.concatenate(kept) if kept else np.zeros((0,), np.int64))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "implementation", "return_hidden_states"))

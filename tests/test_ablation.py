@@ -1,4 +1,5 @@
-"""The pruning ablation on the tiny checkpoint: rows, files, and resuming without recomputing."""
+"""The pruning ablation on the tiny checkpoint: the synthetic multiple-choice set, accuracy with
+bootstrap intervals, rows and files, resuming without recomputing, and the data-set checks."""
 
 from __future__ import annotations
 
@@ -8,38 +9,215 @@ import json
 import numpy as np
 import pytest
 
+from qwen3vl_jax import pruning
 from qwen3vl_jax.processing import Qwen3VLProcessor
-from qwen3vl_jax.pruning.ablation import builtin_videos, run_ablation
+from qwen3vl_jax.pruning.ablation import bootstrap_ci, builtin_videos, run_ablation, summarize
+from qwen3vl_jax.pruning.tasks import (
+    SYNTHETIC_COLORS,
+    load_dataset,
+    mc_prompt,
+    option_letters,
+    parse_letter,
+    synthetic_dataset,
+)
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_dir, jax_model):
-    clip = builtin_videos(frames=16, height=64, width=96)["two_objects"]
-    return jax_model, Qwen3VLProcessor.from_pretrained(tiny_dir), {"clip": clip}
+def processor(tiny_dir):
+    return Qwen3VLProcessor.from_pretrained(tiny_dir)
 
 
-def test_ablation_rows_files_and_resume(setup, tmp_path):
-    model, processor, videos = setup
-    kw = dict(out_dir=str(tmp_path), methods=("evs", "vidcom2"), continuation=4, timing_repeats=1, progress=False)
-    first = run_ablation(model, processor, videos, rates=(0.0, 0.5), **kw)
-    assert [(r.method, r.rate) for r in first] == [("evs", 0.0), ("evs", 0.5), ("vidcom2", 0.5)]
-    base = first[0]
-    assert base.retained_tokens == base.video_tokens and base.next_token_kl == 0 and base.top1_agree
-    assert base.matching_continuation == base.continuation_length == 4
-    for row in first[1:]:
-        assert row.retained_tokens < row.video_tokens and row.next_token_kl > 0
-        assert 0 <= row.matching_continuation <= 4 and row.vision_prefill_s > 0
+# ---------------------------------------------------------------------------------------------- synthetic set
 
+
+def _oracle(frames: np.ndarray, task: str) -> str:
+    """Read the answer off the frames: the square's colour, or the way its centroid moves."""
+    grey = np.abs(frames.astype(int) - frames.astype(int).mean(-1, keepdims=True)).sum(-1) > 60  # saturated
+    if task == "color":
+        pixel = frames[0][grey[0]].mean(0)
+        return min(SYNTHETIC_COLORS, key=lambda c: np.abs(np.subtract(SYNTHETIC_COLORS[c], pixel)).sum())
+    (y0, x0), (y1, x1) = (np.argwhere(g).mean(0) for g in (grey[0], grey[-1]))
+    dy, dx = y1 - y0, x1 - x0
+    return ("down" if dy > 0 else "up") if abs(dy) > abs(dx) else ("right" if dx > 0 else "left")
+
+
+def test_synthetic_answers_are_knowable_from_the_frames(tmp_path):
+    items = load_dataset(synthetic_dataset(tmp_path, 16, frames=6, seed=3))
+    assert len(items) == 16 and {i.id[:5] for i in items} == {"color", "direc"}
+    letters = [item.answer for item in items]
+    assert len(set(letters)) > 1  # the correct letter varies
+    for item in items:
+        frames = np.load(item.media)
+        assert frames.shape == (6, 64, 64, 3) and frames.dtype == np.uint8
+        truth = _oracle(frames, "color" if item.id.startswith("color") else "direction")
+        chosen = item.options[item.letters.index(item.answer)]
+        assert chosen.endswith(truth), (item.id, chosen, truth)
+
+
+def test_prompt_letters_and_parsing():
+    assert option_letters(["A. red", "B. blue"]) == ["A", "B"]
+    assert option_letters(["red", "blue", "green"]) == ["A", "B", "C"]
+    assert mc_prompt("Q?", ["red", "blue"]).splitlines() == [
+        "Q?", "A. red", "B. blue", "Answer with the option's letter from the given choices directly."]
+    assert parse_letter("B", ["A", "B"]) == "B" and parse_letter("B. blue", ["A", "B"]) == "B"
+    assert parse_letter("The answer is A.", ["A", "B"]) == "A"
+    assert parse_letter("Blue", ["A", "B"]) is None and parse_letter("", ["A"]) is None
+
+
+def _write(tmp_path, records, name="set.jsonl"):
+    (tmp_path / "clip.npy").write_bytes(b"")  # existence is all the loader checks
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+GOOD = {"video": "clip.npy", "question": "Q?", "options": ["A. x", "B. y"], "answer": "B"}
+DROP = object()  # a key left out of the line
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"options": DROP}, r"set.jsonl:2: \"options\" must be a list of at least two"),
+    ({"options": ["A. only"]}, r":2: \"options\" must be a list of at least two"),
+    ({"answer": "C"}, r":2: answer 'C' is not among the option letters \['A', 'B'\]"),
+    ({"answer": DROP}, r":2: answer None is not among"),
+    ({"video": None}, r":2: \"video\" must be a path"),
+    ({"image": "clip.npy"}, r":2: give exactly one of \"video\" or \"image\""),
+    ({"video": "missing.mp4"}, r":2: video file .*missing.mp4 does not exist"),
+    ({"fps": 0}, r":2: \"fps\" must be a positive number"),
+    ({"max_frames": 1}, r":2: \"max_frames\" must be an integer >= 2"),
+    ({"question": ""}, r":2: \"question\" must be a non-empty string"),
+    ({"extra": 1}, r":2: unknown keys \['extra'\]"),
+])
+def test_bad_dataset_lines_name_the_line(tmp_path, change, match):
+    bad = {k: v for k, v in {**GOOD, **change}.items() if v is not DROP}
+    with pytest.raises(ValueError, match=match):
+        load_dataset(_write(tmp_path, [GOOD, bad]))
+
+
+def test_dataset_format_errors(tmp_path):
+    path = tmp_path / "set.jsonl"
+    path.write_text('{"video": \n')
+    with pytest.raises(ValueError, match="set.jsonl:1: not valid JSON"):
+        load_dataset(path)
+    with pytest.raises(ValueError, match=r":2: duplicate id 'a'"):
+        load_dataset(_write(tmp_path, [{**GOOD, "id": "a"}, {**GOOD, "id": "a"}]))
+    items = load_dataset(_write(tmp_path, [GOOD, {**GOOD, "options": ["x", "y", "z"], "answer": "C"}]))
+    assert [i.letters for i in items] == [["A", "B"], ["A", "B", "C"]] and items[1].answer == "C"
+
+
+def test_bootstrap_interval():
+    assert bootstrap_ci([1, 1, 1]) == (1.0, 1.0)
+    low, high = bootstrap_ci(np.r_[np.ones(50), np.zeros(50)])
+    # the normal approximation of a proportion's 95% interval, 0.5 -/+ 1.96 * 0.05
+    assert abs(low - 0.402) < 0.03 and abs(high - 0.598) < 0.03
+    with pytest.raises(ValueError):
+        bootstrap_ci([])
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+
+def test_accuracy_ablation_end_to_end_resumes_and_sits_at_chance(tiny_dir, jax_model, processor, tmp_path):
+    """Random weights cannot read the frames: every method's 95% interval contains chance (1/4).
+
+    36 items with uniformly drawn answer letters; with a 4-way guess the interval is about
+    +-0.14, and the check fails if scoring leaked the answer (accuracy near 1) or mis-scored every
+    item (near 0)."""
+    dataset = synthetic_dataset(tmp_path / "set", 36, frames=4, height=32, width=32, seed=0)
+    items = load_dataset(dataset)
+    grid = processor(text=["<|vision_start|><|video_pad|><|vision_end|>"], videos=[np.load(items[0].media)],
+                     video_metadata=[{"fps": 2.0, "total_num_frames": 4}], return_tensors="np")["video_grid_thw"][0]
+    frames, tpf = int(grid[0]), int(grid[1] * grid[2]) // 4
+    kw = dict(out_dir=str(tmp_path / "out"), continuation=2, timing_repeats=1, progress=False)
+    first = run_ablation(jax_model, processor, items[:30], methods=("evs", "temporal"), rates=(0.0, 0.5), **kw)
+    assert len(first) == 30 * 3
     seen = []
-    second = run_ablation(model, processor, videos, rates=(0.0, 0.5, 0.75), on_row=seen.append, **kw)
-    assert [(r.method, r.rate) for r in seen] == [("evs", 0.75), ("vidcom2", 0.75)]  # only the new rows ran
-    assert len(second) == 5
-    lines = (tmp_path / "ablation.jsonl").read_text().splitlines()
-    assert len(lines) == 5 and json.loads(lines[0])["rate"] == 0.0
-    with open(tmp_path / "ablation.csv") as f:
+    rows = run_ablation(jax_model, processor, items, methods=("evs", "temporal"), rates=(0.0, 0.5),
+                        on_row=seen.append, **kw)
+    assert len(seen) == 6 * 3 and {r.item for r in seen} == {i.id for i in items[30:]}  # only new rows ran
+    assert len(rows) == 36 * 3
+    for row in rows:
+        assert row.fps == 2.0 and row.max_frames == 4 and row.score == "loglik"
+        assert row.prediction in ("A", "B", "C", "D") and row.correct == (row.prediction == row.answer)
+        assert row.peak_memory_mb > 0 and row.vision_prefill_s > 0
+        if row.method == "none":
+            assert row.retained_tokens == row.video_tokens == frames * tpf
+            assert row.next_token_kl == 0 and row.top1_agree
+        else:
+            assert row.retained_tokens == pruning.retained_count(row.method, tpf, frames, 0.5) < row.video_tokens
+    summary = {(s.method, s.rate): s for s in summarize(rows)}
+    assert set(summary) == {("none", 0.0), ("evs", 0.5), ("temporal", 0.5)}
+    for s in summary.values():
+        assert s.items == 36 and s.accuracy_low <= 0.25 <= s.accuracy_high, s
+        assert s.accuracy_low <= s.accuracy <= s.accuracy_high
+    out = tmp_path / "out"
+    assert len((out / "ablation.jsonl").read_text().splitlines()) == 36 * 3
+    with open(out / "summary.csv") as f:
         table = list(csv.DictReader(f))
-    assert len(table) == 5 and {"retained_tokens", "next_token_kl", "matching_continuation"} <= set(table[0])
-    png = (tmp_path / "ablation.png").read_bytes()
+    assert len(table) == 3 and {"accuracy", "accuracy_low", "accuracy_high", "retained_tokens", "vision_prefill_s",
+                                "peak_memory_mb", "next_token_kl", "fps", "max_frames"} <= set(table[0])
+    png = (out / "ablation.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    np.testing.assert_array_equal([r.retained_tokens for r in second if r.method == "evs"],
-                                  sorted([r.retained_tokens for r in second if r.method == "evs"], reverse=True))
+
+
+def test_generate_scoring_and_open_ended_clips(jax_model, processor, tmp_path):
+    items = load_dataset(synthetic_dataset(tmp_path / "set", 2, frames=4, height=32, width=32))
+    rows = run_ablation(jax_model, processor, items, out_dir=str(tmp_path / "gen"), methods=("vidcom2",),
+                        rates=(0.5,), score="generate", continuation=2, timing_repeats=1, progress=False)
+    assert [r.method for r in rows] == ["vidcom2", "vidcom2"] and all(r.score == "generate" for r in rows)
+    assert all(r.correct == (r.prediction == r.answer) for r in rows)  # a None prediction counts as wrong
+    clips = {"clip": builtin_videos(frames=8, height=32, width=64)["two_objects"]}
+    rows = run_ablation(jax_model, processor, clips, out_dir=str(tmp_path / "open"), methods=("evs",),
+                        rates=(0.0, 0.75), continuation=3, timing_repeats=1, progress=False)
+    assert [(r.method, r.rate) for r in rows] == [("evs", 0.75), ("none", 0.0)]
+    assert all(r.correct is None and r.answer is None for r in rows)
+    assert rows[1].matching_continuation == rows[1].continuation_length == 3
+    assert summarize(rows)[0].accuracy is None
+
+
+def test_ablation_refuses_bad_settings(jax_model, processor, tmp_path):
+    clips = {"clip": np.zeros((4, 32, 32, 3), np.uint8)}
+    with pytest.raises(ValueError, match=r"unknown video pruning method 'nope'; registered methods"):
+        run_ablation(jax_model, processor, clips, out_dir=str(tmp_path), methods=("nope",), rates=(0.5,))
+    with pytest.raises(ValueError, match=r"rate must be in \[0, 1\)"):
+        run_ablation(jax_model, processor, clips, out_dir=str(tmp_path), methods=("evs",), rates=(1.0,))
+    with pytest.raises(ValueError, match="score must be"):
+        run_ablation(jax_model, processor, clips, out_dir=str(tmp_path), score="vote")
+
+
+def test_image_items(jax_model, processor, tmp_path):
+    from PIL import Image
+
+    Image.fromarray(np.full((32, 48, 3), 200, np.uint8)).save(tmp_path / "img.png")
+    (tmp_path / "set.jsonl").write_text(json.dumps(
+        {"image": "img.png", "question": "Is it bright?", "options": ["yes", "no"], "answer": "A"}) + "\n")
+    rows = run_ablation(jax_model, processor, load_dataset(tmp_path / "set.jsonl"), out_dir=str(tmp_path / "out"),
+                        methods=("evs",), rates=(0.0, 0.5), continuation=2, timing_repeats=1, progress=False)
+    assert [(r.method, r.rate) for r in rows] == [("evs", 0.5), ("none", 0.0)]
+    assert rows[0].retained_tokens == rows[0].video_tokens > 0  # images are never pruned
+    assert rows[0].next_token_kl == 0 and rows[0].prediction in ("A", "B")
+
+
+def _script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "ablate_pruning.py"
+    spec = importlib.util.spec_from_file_location("ablate_pruning", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_script_synthetic_run_and_bad_dataset(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    _script().main(["--model", str(tiny_dir), "--synthetic", "2", "--out", str(out), "--methods", "spatial_grid",
+                    "--rates", "0", "0.5", "--continuation", "1", "--timing-repeats", "1", "--bucketed"])
+    printed = capsys.readouterr().out
+    assert "spatial_grid" in printed and "none" in printed and "accuracy (95% CI)" in printed
+    for name in ("ablation.jsonl", "ablation.csv", "summary.csv", "ablation.png", "synthetic/dataset.jsonl"):
+        assert (out / name).is_file(), name
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"video": "x.mp4", "question": "Q?"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: \"options\" must be a list"):
+        _script().main(["--model", str(tiny_dir), "--dataset", str(bad), "--out", str(tmp_path / "bad")])

@@ -1,5 +1,5 @@
-"""Video token pruning: every worked example of notes/video-pruning.md §6 (values produced by vLLM
-0.33.0 itself, so independent goldens), plus properties and literal torch references of the spec."""
+"""Video token pruning: every worked example of docs/pruning.md (values produced by vLLM 0.33.0
+itself, so independent goldens), plus properties and literal torch references of the spec."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import vllm_reference as P
 
 from qwen3vl_jax.mrope import get_rope_index
 from qwen3vl_jax.pruning import (
@@ -14,13 +15,12 @@ from qwen3vl_jax.pruning import (
     concat_levels,
     evs,
     frame_counts,
-    keep_indices,
     retained_count,
     retention_mask,
     validate_video_pruning,
     vidcom2,
 )
-from qwen3vl_jax.pruning import positions as P
+from qwen3vl_jax.pruning.prompt import sequence_keep_mask
 
 METHODS = ["evs", "vidcom2"]
 
@@ -222,7 +222,7 @@ def test_golden_masks(method, frames, rows, cols, dim, q, per_frame, kept):
     mask = np.asarray(retention_mask(method, e, (frames, 2 * rows, 2 * cols), 2, q))
     assert frame_counts(mask, frames).tolist() == per_frame
     assert np.flatnonzero(mask).tolist() == kept
-    idx = np.asarray(keep_indices(method, e, (frames, 2 * rows, 2 * cols), 2, q))
+    idx = np.asarray(PRUNING_METHODS[method].keep_indices(e, (frames, 2 * rows, 2 * cols), 2, q))  # the jitted core
     assert idx.dtype == np.int32 and idx.tolist() == kept
 
 
@@ -301,7 +301,7 @@ def test_mrope_trace():
     unpruned = np.array([X, X] + ([TS, TS, VS] + [VID] * 4 + [VE]) * 3 + [X, X])
     pos_u, delta_u = get_rope_index(unpruned[None], types_of(unpruned)[None], video_grid_thw=[[3, 4, 4]])
     assert unpruned.size == 28 and delta_u.tolist() == [[-6]]
-    keep = P.sequence_keep_mask(types_of(unpruned), [mask])
+    keep = sequence_keep_mask(types_of(unpruned), [mask])
     pos, delta = P.prune_positions(pos_u[:, 0], keep)
     np.testing.assert_array_equal(pos, want_final)
     assert delta == 0 == delta_u[0, 0] + int((~mask).sum())
@@ -329,7 +329,7 @@ def test_mrope_image_case():
     np.testing.assert_array_equal(final, want)
     assert delta == -3
     # images are never pruned: the closed form keeps everything
-    keep = P.sequence_keep_mask(types_of(ids), [])
+    keep = sequence_keep_mask(types_of(ids), [])
     assert keep.all()
     pos2, delta2 = P.prune_positions(pos[:, 0], keep)
     np.testing.assert_array_equal(pos2, want)
@@ -358,7 +358,7 @@ def test_closed_form_matches_recompute_random():
         unpruned = np.array(unpruned + [X] * after)
         grid = [[frames, 2 * rows, 2 * cols]]
         pos_u, _ = get_rope_index(unpruned[None], types_of(unpruned)[None], video_grid_thw=grid)
-        pos, delta = P.prune_positions(pos_u[:, 0], P.sequence_keep_mask(types_of(unpruned), [mask]))
+        pos, delta = P.prune_positions(pos_u[:, 0], sequence_keep_mask(types_of(unpruned), [mask]))
         # vLLM: lumped prompt, initial positions, block metadata, recompute
         lumped = [X] * before
         for f, n in enumerate(ts_len):
@@ -387,7 +387,7 @@ def test_prune_batch_left_and_right_padding():
             ids[1, :5], att[1, :5] = text_row, 1
         types = types_of(ids) * att
         pos_u, deltas_u = get_rope_index(ids, types, video_grid_thw=[[3, 4, 4]], attention_mask=att)
-        keep = P.sequence_keep_mask(types, [mask], attention_mask=att)
+        keep = sequence_keep_mask(types, [mask], attention_mask=att)
         out = P.prune_batch(pos_u, keep, att, padding_side=side)
         assert out.index.shape == (2, 22) and out.attention_mask.sum(1).tolist() == [22, 5]
         single, delta = P.prune_positions(pos_u[:, 0], keep[0])
@@ -403,8 +403,8 @@ def test_prune_batch_left_and_right_padding():
 def test_sequence_keep_mask_checks_lengths():
     types = types_of([X, VID, VID, X])
     with pytest.raises(ValueError, match="video masks cover 3 tokens"):
-        P.sequence_keep_mask(types, [[True, False, True]])
-    assert P.sequence_keep_mask(types, [[False, True]]).tolist() == [True, False, True, True]
+        sequence_keep_mask(types, [[True, False, True]])
+    assert sequence_keep_mask(types, [[False, True]]).tolist() == [True, False, True, True]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -461,7 +461,7 @@ def test_vidcom2_first_frame_not_privileged_and_t1():
 
 
 def test_rate_zero_is_off_and_validation():
-    assert set(PRUNING_METHODS) == {"evs", "vidcom2"}
+    assert {"evs", "vidcom2", "random", "spatial_grid", "temporal"} <= set(PRUNING_METHODS)
     assert PRUNING_METHODS["evs"] is evs and PRUNING_METHODS["vidcom2"] is vidcom2
     for method in METHODS:
         assert validate_video_pruning(method, 0) is None

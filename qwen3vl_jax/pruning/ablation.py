@@ -1,14 +1,20 @@
-"""Pruning-ratio ablation: methods x rates x videos against the unpruned run of the same model.
+"""Pruning-ratio ablation: methods x rates x items, against the unpruned run of the same model.
 
-For every (video, method, rate) row: the retained video tokens, the vision + prefill time (the
-fastest of a few warm runs),
-the KL divergence and top-1 agreement of the next-token distribution against the unpruned run, and
-how many greedy tokens match the unpruned continuation before the first difference. Rows are
-appended to a JSONL file as they finish, so an interrupted run resumes where it stopped; the CSV
-and the PNG plot are rewritten from the JSONL at the end.
+Each row is one (item, method, rate): the retained visual tokens, vision + prefill time (the fastest
+of a few warm runs), the process's peak memory so far, the fps and frame cap the clip was sampled
+with, the fidelity figures against the unpruned run of the same prompt (KL divergence and top-1
+agreement of the next-token distribution, greedy tokens matching the unpruned continuation before
+the first difference) and, for multiple-choice items, the predicted letter and whether it is right.
+Rate 0 is the unpruned run itself, recorded once per item under the method name "none".
 
-Built-in videos (generated, so no data set is needed): static backgrounds with moving objects at
-different speeds, plus a fully static clip, where pruning should be nearly free.
+Scoring (`score=`): "loglik" picks the option letter with the highest log-probability as the first
+answer token (deterministic, one forward pass); "generate" decodes a few greedy tokens and parses
+the letter (`tasks.parse_letter`; no letter counts as wrong).
+
+Rows are appended to `ablation.jsonl` as they finish, so an interrupted run resumes where it
+stopped; `ablation.csv` (rows), `summary.csv` (per method x rate: accuracy with a 95% bootstrap
+interval over items, and the means of the other figures) and `ablation.png` (accuracy and fidelity
+against the rate, one line per method) are rewritten from the JSONL at the end.
 """
 
 from __future__ import annotations
@@ -17,32 +23,65 @@ import csv
 import dataclasses
 import json
 import os
+import resource
 from collections.abc import Callable, Iterable, Sequence
 
+import jax
 import numpy as np
 
-__all__ = ["AblationRow", "builtin_videos", "run_ablation", "write_csv", "plot"]
+from .tasks import TaskItem, mc_prompt, parse_letter
+
+__all__ = ["AblationRow", "SummaryRow", "builtin_videos", "video_items", "run_ablation", "summarize",
+           "bootstrap_ci", "write_csv", "plot", "DEFAULT_RATES", "DEFAULT_METHODS"]
 
 DEFAULT_RATES = (0.0, 0.25, 0.5, 0.75, 0.9)
 DEFAULT_METHODS = ("evs", "vidcom2")
+UNPRUNED = "none"  # the method name of the rate-0 rows
+DEFAULT_PROMPT = "Describe what happens in this video."
 
 
 @dataclasses.dataclass
 class AblationRow:
-    video: str
+    item: str
     method: str
     rate: float
-    video_tokens: int
-    retained_tokens: int
+    score: str  # "loglik" or "generate"
+    fps: float
+    max_frames: int
+    video_tokens: int  # visual tokens of the unpruned prompt
+    retained_tokens: int  # visual tokens after pruning
     vision_prefill_s: float
+    peak_memory_mb: float
     next_token_kl: float
     top1_agree: bool
     matching_continuation: int
     continuation_length: int
+    answer: str | None = None
+    prediction: str | None = None
+    correct: bool | None = None
 
     @property
     def key(self) -> tuple[str, str, float]:
-        return (self.video, self.method, float(self.rate))
+        return (self.item, self.method, float(self.rate))
+
+
+@dataclasses.dataclass
+class SummaryRow:
+    method: str
+    rate: float
+    items: int
+    accuracy: float | None  # None without multiple-choice items
+    accuracy_low: float | None  # 95% percentile-bootstrap interval over items
+    accuracy_high: float | None
+    retained_tokens: float
+    video_tokens: float
+    vision_prefill_s: float
+    peak_memory_mb: float
+    next_token_kl: float
+    top1_agree: float
+    matching_continuation: float
+    fps: str  # the distinct values, "/"-joined
+    max_frames: str
 
 
 def builtin_videos(frames: int = 32, height: int = 128, width: int = 160) -> dict[str, np.ndarray]:
@@ -69,6 +108,23 @@ def builtin_videos(frames: int = 32, height: int = 128, width: int = 160) -> dic
     return clips
 
 
+def video_items(videos: dict[str, np.ndarray | str], prompt: str = DEFAULT_PROMPT) -> list[TaskItem]:
+    """Open-ended items (fidelity figures only) from named clips: frames arrays or file paths."""
+    return [TaskItem(name, "video", video, prompt) for name, video in videos.items()]
+
+
+def bootstrap_ci(values, confidence: float = 0.95, resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap interval of the mean of `values` (seeded, so reruns agree)."""
+    values = np.asarray(values, np.float64)
+    if values.size == 0:
+        raise ValueError("bootstrap_ci needs at least one value")
+    rng = np.random.default_rng(seed)
+    means = values[rng.integers(0, values.size, (resamples, values.size))].mean(axis=1)
+    tail = 100 * (1 - confidence) / 2
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return float(low), float(high)
+
+
 def _read_rows(path: str) -> list[AblationRow]:
     if not os.path.isfile(path):
         return []
@@ -76,88 +132,13 @@ def _read_rows(path: str) -> list[AblationRow]:
         return [AblationRow(**json.loads(line)) for line in f if line.strip()]
 
 
-def run_ablation(
-    model,
-    processor,
-    videos: dict[str, np.ndarray | str],
-    *,
-    out_dir: str,
-    methods: Sequence[str] = DEFAULT_METHODS,
-    rates: Sequence[float] = DEFAULT_RATES,
-    prompt: str = "Describe what happens in this video.",
-    continuation: int = 16,
-    fps: float = 8.0,
-    timing_repeats: int = 3,
-    progress: bool = True,
-    on_row: Callable[[AblationRow], None] | None = None,
-) -> list[AblationRow]:
-    """Run every missing row, append it to `out_dir/ablation.jsonl`, then write the CSV and the plot."""
-    from tqdm.auto import tqdm
-
-    from ..model import MODEL_INPUTS
-
-    from . import validate_video_pruning
-
-    for method in methods:
-        validate_video_pruning(method, 0.0)
-    os.makedirs(out_dir, exist_ok=True)
-    jsonl = os.path.join(out_dir, "ablation.jsonl")
-    done = {row.key: row for row in _read_rows(jsonl)}
-    todo = [(v, m, float(r)) for v in videos for m in methods for r in rates
-            if (v, m, float(r)) not in done and not (r == 0 and m != methods[0])]
-    baselines: dict[str, tuple] = {}
-
-    def inputs_for(name, pruning):
-        video = videos[name]
-        text = processor.apply_chat_template(
-            [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}],
-            add_generation_prompt=True)
-        meta = None if isinstance(video, (str, os.PathLike)) else [{"fps": fps, "total_num_frames": len(video)}]
-        batch = processor(text=[text], videos=[video], video_metadata=meta, return_tensors="np",
-                          video_pruning=pruning)
-        return {k: batch[k] for k in MODEL_INPUTS if k in batch}
-
-    def run(name, pruning):
-        batch = inputs_for(name, pruning)
-        logits = np.asarray(model(**batch, video_pruning=pruning)[0, -1], np.float64)
-        model.generate(**batch, max_new_tokens=1, video_pruning=pruning)  # warm the compiled stages
-        tokens = model.generate(**batch, max_new_tokens=continuation, video_pruning=pruning, eos_token_id=[])
-        seconds = []
-        for _ in range(timing_repeats):  # the fastest of a few warm runs: robust to a busy machine
-            timings = {}
-            model.generate(**batch, max_new_tokens=1, video_pruning=pruning, timings=timings)
-            seconds.append(timings["prepare"] + timings["prefill"])
-        video_tokens = int((batch["input_ids"] == model.config.video_token_id).sum())
-        return logits, tokens[0, batch["input_ids"].shape[1]:], video_tokens, min(seconds)
-
-    bar = tqdm(todo, disable=not progress, desc="ablation", unit="row")
-    with open(jsonl, "a") as sink:
-        for name, method, rate in bar:
-            bar.set_postfix_str(f"{name} {method} {rate}")
-            if name not in baselines:
-                baselines[name] = run(name, None)
-            base_logits, base_tokens, full_tokens, base_seconds = baselines[name]
-            pruning = (method, rate) if rate > 0 else None
-            logits, tokens, kept, seconds = baselines[name] if pruning is None else run(name, pruning)
-            p, q = _softmax(base_logits), _softmax(logits)
-            matching = int(np.argmin(np.append(tokens == base_tokens, False)))
-            row = AblationRow(
-                # rate-0 rows are the shared unpruned baseline, recorded under the first method
-                video=name, method=method, rate=rate, video_tokens=full_tokens,
-                retained_tokens=kept, vision_prefill_s=seconds,
-                next_token_kl=float(np.sum(p * (np.log(p + 1e-30) - np.log(q + 1e-30)))),
-                top1_agree=bool(np.argmax(logits) == np.argmax(base_logits)),
-                matching_continuation=matching, continuation_length=int(len(base_tokens)),
-            )
-            sink.write(json.dumps(dataclasses.asdict(row)) + "\n")
-            sink.flush()
-            done[row.key] = row
-            if on_row is not None:
-                on_row(row)
-    rows = sorted(done.values(), key=lambda r: (r.video, r.method, r.rate))
-    write_csv(rows, os.path.join(out_dir, "ablation.csv"))
-    plot(rows, os.path.join(out_dir, "ablation.png"))
-    return rows
+def _peak_memory_mb() -> float:
+    """The device's peak bytes in use where the backend reports it (GPU), else the process's peak
+    resident memory (CPU: host memory is device memory). Both are high-water marks since start."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return stats["peak_bytes_in_use"] / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
@@ -165,9 +146,176 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     return z / z.sum()
 
 
-def write_csv(rows: Iterable[AblationRow], path: str) -> None:
+def run_ablation(
+    model,
+    processor,
+    items: Sequence[TaskItem] | dict[str, np.ndarray | str],
+    *,
+    out_dir: str,
+    methods: Sequence[str] = DEFAULT_METHODS,
+    rates: Sequence[float] = DEFAULT_RATES,
+    score: str = "loglik",
+    continuation: int = 16,
+    fps: float = 8.0,
+    max_frames: int = 768,
+    answer_tokens: int = 4,
+    timing_repeats: int = 3,
+    vision_encoder=None,
+    progress: bool = True,
+    on_row: Callable[[AblationRow], None] | None = None,
+) -> list[AblationRow]:
+    """Run every missing row, append it to `out_dir/ablation.jsonl`, then write the CSVs and the plot.
+
+    `items`: `TaskItem`s (`tasks.load_dataset`, `tasks.synthetic_dataset`) or a dict of named clips
+    (open-ended, `video_items`). `fps` / `max_frames`: sampling defaults for items that set none.
+    `continuation`: greedy tokens compared with the unpruned run (0 skips that figure).
+    `vision_encoder`: as in `Qwen3VL.prepare_inputs`, e.g. `EncoderRunner(model).encode` (bucketed).
+    """
+    from tqdm.auto import tqdm
+
+    from ..model import MODEL_INPUTS
+    from .registry import validate_video_pruning
+
+    if score not in ("loglik", "generate"):
+        raise ValueError(f"score must be 'loglik' or 'generate', got {score!r}")
+    for method in methods:
+        validate_video_pruning(method, 0.0)  # unknown names fail before any work
+    for rate in rates:
+        if rate != 0:
+            validate_video_pruning(methods[0] if methods else None, rate)
+    if isinstance(items, dict):
+        items = video_items(items)
+    ids = [item.id for item in items]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"item ids repeat: {sorted({i for i in ids if ids.count(i) > 1})}")
+    os.makedirs(out_dir, exist_ok=True)
+    jsonl = os.path.join(out_dir, "ablation.jsonl")
+    done = {row.key: row for row in _read_rows(jsonl)}
+    plan = [(item, UNPRUNED, 0.0) for item in items if 0 in rates]
+    plan += [(item, m, float(r)) for item in items for m in methods for r in rates if r != 0]
+    todo = [(item, m, r) for item, m, r in plan if (item.id, m, r) not in done]
+    letter_ids = {}
+
+    def letter_token(letter):
+        if letter not in letter_ids:
+            tokens = processor.tokenizer.encode(letter, add_special_tokens=False).ids
+            if len(tokens) != 1:
+                raise ValueError(f"option letter {letter!r} is {len(tokens)} tokens; loglik scoring needs one")
+            letter_ids[letter] = tokens[0]
+        return letter_ids[letter]
+
+    def inputs_for(item: TaskItem, pruning):
+        text = mc_prompt(item.question, item.options) if item.options else item.question
+        content = [{"type": item.kind}, {"type": "text", "text": text}]
+        prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        rate_fps, cap = item.fps or fps, item.max_frames or max_frames
+        if item.kind == "image":
+            batch = processor(text=[prompt], images=[item.media], return_tensors="np")
+        else:
+            video, meta = item.media, None
+            if isinstance(video, (str, os.PathLike)) and os.fspath(video).endswith(".npy"):
+                video = np.load(video)
+            if not isinstance(video, (str, os.PathLike)):  # decoded frames, recorded at the sampling fps
+                meta = [{"fps": rate_fps, "total_num_frames": len(video)}]
+            batch = processor(text=[prompt], videos=[video], video_metadata=meta, return_tensors="np",
+                              video_pruning=pruning, fps=rate_fps, max_frames=cap)
+        return {k: batch[k] for k in MODEL_INPUTS if k in batch}, rate_fps, cap
+
+    def run(item: TaskItem, pruning):
+        batch, rate_fps, cap = inputs_for(item, pruning)
+        kw = {"video_pruning": pruning, "vision_encoder": vision_encoder}
+        logits = np.asarray(model(**batch, **kw)[0, -1], np.float64)
+        length = batch["input_ids"].shape[1]
+        new = max(continuation, answer_tokens if score == "generate" else 0, 1)
+        tokens = model.generate(**batch, max_new_tokens=new, eos_token_id=[], **kw)[0, length:]
+        seconds = []
+        for _ in range(timing_repeats):  # the fastest of a few warm runs: robust to a busy machine
+            timings = {}
+            model.generate(**batch, max_new_tokens=1, timings=timings, **kw)
+            seconds.append(timings["prepare"] + timings["prefill"])
+        visual = (batch["input_ids"] == model.config.video_token_id) | (batch["input_ids"] == model.config.image_token_id)
+        prediction = None
+        if item.options:
+            letters = item.letters
+            if score == "loglik":
+                logp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+                prediction = letters[int(np.argmax([logp[letter_token(x)] for x in letters]))]
+            else:
+                prediction = parse_letter(processor.decode(tokens[:answer_tokens]), letters)
+        return dict(logits=logits, tokens=tokens[:continuation], kept=int(visual.sum()), fps=rate_fps, cap=cap,
+                    seconds=min(seconds) if seconds else float("nan"), prediction=prediction)
+
+    baselines: dict[str, dict] = {}
+    bar = tqdm(todo, disable=not progress, desc="ablation", unit="row")
+    with open(jsonl, "a") as sink:
+        for item, method, rate in bar:
+            bar.set_postfix_str(f"{item.id} {method} {rate}")
+            if item.id not in baselines:
+                baselines[item.id] = run(item, None)
+            base = baselines[item.id]
+            out = base if method == UNPRUNED else run(item, (method, rate))
+            p, q = _softmax(base["logits"]), _softmax(out["logits"])
+            matching = int(np.argmin(np.append(out["tokens"] == base["tokens"], False)))
+            row = AblationRow(
+                item=item.id, method=method, rate=rate, score=score, fps=out["fps"], max_frames=out["cap"],
+                video_tokens=base["kept"], retained_tokens=out["kept"], vision_prefill_s=out["seconds"],
+                peak_memory_mb=_peak_memory_mb(),
+                next_token_kl=float(np.sum(p * (np.log(p + 1e-30) - np.log(q + 1e-30)))),
+                top1_agree=bool(np.argmax(out["logits"]) == np.argmax(base["logits"])),
+                matching_continuation=matching, continuation_length=int(len(base["tokens"])),
+                answer=item.answer, prediction=out["prediction"],
+                correct=None if item.answer is None else out["prediction"] == item.answer,
+            )
+            sink.write(json.dumps(dataclasses.asdict(row)) + "\n")
+            sink.flush()
+            done[row.key] = row
+            if on_row is not None:
+                on_row(row)
+    wanted = {(item.id, m, r) for item, m, r in plan}
+    rows = sorted((r for r in done.values() if r.key in wanted), key=lambda r: (r.item, r.method, r.rate))
+    write_csv(rows, os.path.join(out_dir, "ablation.csv"))
+    summary = summarize(rows)
+    write_csv(summary, os.path.join(out_dir, "summary.csv"))
+    plot(summary, os.path.join(out_dir, "ablation.png"))
+    return rows
+
+
+def summarize(rows: Iterable[AblationRow]) -> list[SummaryRow]:
+    """Per (method, rate), the unpruned row first: accuracy with its 95% bootstrap interval over items,
+    and the means of the other figures (the peak memory's maximum)."""
+    groups: dict[tuple[str, float], list[AblationRow]] = {}
+    for row in rows:
+        groups.setdefault((row.method, float(row.rate)), []).append(row)
+    out = []
+    for (method, rate), group in sorted(groups.items(), key=lambda kv: (kv[0][0] != UNPRUNED, kv[0])):
+        graded = [r.correct for r in group if r.correct is not None]
+        acc = low = high = None
+        if graded:
+            acc = float(np.mean(graded))
+            low, high = bootstrap_ci(np.asarray(graded, np.float64))
+
+        def mean(field, group=group):
+            return float(np.mean([getattr(r, field) for r in group]))
+
+        out.append(SummaryRow(
+            method=method, rate=rate, items=len(group), accuracy=acc, accuracy_low=low, accuracy_high=high,
+            retained_tokens=mean("retained_tokens"), video_tokens=mean("video_tokens"),
+            vision_prefill_s=mean("vision_prefill_s"), peak_memory_mb=max(r.peak_memory_mb for r in group),
+            next_token_kl=mean("next_token_kl"), top1_agree=mean("top1_agree"),
+            matching_continuation=mean("matching_continuation"),
+            fps="/".join(f"{v:g}" for v in sorted({r.fps for r in group})),
+            max_frames="/".join(str(v) for v in sorted({r.max_frames for r in group})),
+        ))
+    return out
+
+
+def write_csv(rows: Iterable, path: str) -> None:
+    """Dataclass rows (`AblationRow` or `SummaryRow`) as a CSV with a header."""
     rows = list(rows)
-    fields = [f.name for f in dataclasses.fields(AblationRow)]
+    if not rows:
+        open(path, "w").close()
+        return
+    fields = [f.name for f in dataclasses.fields(rows[0])]
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
@@ -175,34 +323,32 @@ def write_csv(rows: Iterable[AblationRow], path: str) -> None:
             writer.writerow(dataclasses.asdict(row))
 
 
-def plot(rows: Sequence[AblationRow], path: str | None = None):
-    """Four panels against the pruning rate: retained tokens, time, KL, matching continuation."""
+def plot(summary: Sequence[SummaryRow], path: str | None = None):
+    """Panels against the pruning rate, one line per method (the unpruned point starts each line):
+    accuracy with its interval (when items have answers), retained tokens, time, KL, matching tokens."""
     import matplotlib.pyplot as plt
 
-    panels = [
-        ("retained_tokens", "retained video tokens"),
-        ("vision_prefill_s", "vision + prefill (s)"),
-        ("next_token_kl", "next-token KL vs unpruned"),
-        ("matching_continuation", "greedy tokens matching unpruned"),
-    ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
-    methods = sorted({r.method for r in rows})
-    videos = sorted({r.video for r in rows})
-    baseline = {r.video: r for r in rows if r.rate == 0}
-    for ax, (field, title) in zip(axes, panels):
-        for method in methods:
-            for video in videos:
-                series = sorted([r for r in rows if r.video == video and r.method == method and r.rate > 0],
-                                key=lambda r: r.rate)
-                if video in baseline:
-                    series = [baseline[video]] + series
-                if series:
-                    ax.plot([r.rate for r in series], [getattr(r, field) for r in series], marker="o",
-                            linestyle="-" if method == methods[0] else "--", label=f"{method} / {video}")
+    panels = [("retained_tokens", "retained visual tokens"), ("vision_prefill_s", "vision + prefill (s)"),
+              ("next_token_kl", "next-token KL vs unpruned"), ("matching_continuation", "greedy tokens matching")]
+    if any(s.accuracy is not None for s in summary):
+        panels.insert(0, ("accuracy", "accuracy (95% bootstrap CI)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    base = [s for s in summary if s.method == UNPRUNED]
+    methods = sorted({s.method for s in summary} - {UNPRUNED})
+    for ax, (field, title) in zip(axes[0], panels):
+        for method in methods or [UNPRUNED]:
+            series = base + sorted((s for s in summary if s.method == method), key=lambda s: s.rate)
+            if not series or getattr(series[0], field) is None:
+                continue
+            rates = [s.rate for s in series]
+            line, = ax.plot(rates, [getattr(s, field) for s in series], marker="o", label=method)
+            if field == "accuracy":
+                ax.fill_between(rates, [s.accuracy_low for s in series], [s.accuracy_high for s in series],
+                                color=line.get_color(), alpha=0.15)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("pruning rate")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     if path:
         fig.savefig(path, dpi=110)

@@ -1,4 +1,4 @@
-"""EVS (Efficient Video Sampling) as vLLM 0.33.0 runs it for Qwen3-VL (notes/video-pruning.md §3).
+"""EVS (Efficient Video Sampling) as vLLM 0.33.0 runs it for Qwen3-VL (docs/pruning.md §3).
 
 Score every video token by its cosine dissimilarity with the same merged cell of the previous frame
 (frame 0 scores 255, so it always survives), and keep the global top-K, ties to the earlier flat index.

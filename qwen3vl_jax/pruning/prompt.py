@@ -2,15 +2,16 @@
 
 With pruning on, the processor sizes each video's placeholder for the K retained tokens and puts
 all of them in frame 0 (`<t0><VS>` K pads `<VE>` `<t1><VS><VE>` ...), as vLLM does, because the
-mask is only known after the encoder has run. Once it is known (K trues, `c_f` of them in frame
-f), `prune_prompt` rebuilds each row:
+mask is only known after the encoder has run. Once it is known (`c_f` trues in frame f),
+`prune_prompt` rebuilds each row (docs/pruning.md §5.6, §5.8):
 
 1. the unpruned layout: every frame slot `<VS><VE>` refilled with all `R*C` video tokens;
 2. its standard mRoPE positions (`get_rope_index`);
-3. the pruned video tokens deleted (`positions.sequence_keep_mask`), so frame f keeps `c_f`
-   tokens in its own slot, between its own timestamp and markers, and every kept token keeps its
-   unpruned position. The row's length is unchanged (K tokens in, K tokens out) and its rope delta
-   grows by the number of pruned tokens.
+3. the pruned video tokens deleted (`sequence_keep_mask`), so frame f keeps `c_f` tokens in its own
+   slot, between its own timestamp and markers, and every kept token keeps its unpruned position.
+   With exactly K kept (every fixed-count method) the row's length is unchanged; an adaptive
+   method keeping fewer shortens it, and the batch is re-padded on the side it was padded on. The
+   rope delta grows by the number of pruned tokens.
 
 Host-side numpy. Axes: B batch, L prompt tokens, U unpruned row length.
 """
@@ -23,9 +24,30 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..mrope import get_rope_index
-from .positions import IMAGE, VIDEO, sequence_keep_mask
 
-__all__ = ["VideoPlan", "PrunedPrompt", "prune_prompt"]
+__all__ = ["VideoPlan", "PrunedPrompt", "prune_prompt", "sequence_keep_mask", "TEXT", "IMAGE", "VIDEO"]
+
+TEXT, IMAGE, VIDEO = 0, 1, 2  # mm_token_type_ids values
+
+
+def sequence_keep_mask(mm_token_type_ids, video_masks: Sequence, attention_mask=None) -> np.ndarray:
+    """Bool keep mask, same shape as `mm_token_type_ids` (`[L]` or `[B, L]`) of the UNPRUNED prompt.
+
+    Non-video tokens are kept (text, timestamps, markers, images, padding). The video tokens, in
+    prompt order (row-major over a batch), take the per-video flat frame-major masks of
+    `video_masks` in order; their total length must equal the video token count.
+    """
+    types = np.asarray(mm_token_type_ids)
+    real = np.ones(types.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
+    is_video = (types == VIDEO) & real
+    flat = [np.asarray(m, dtype=bool).reshape(-1) for m in video_masks]
+    video_keep = np.concatenate(flat) if flat else np.zeros((0,), bool)
+    if video_keep.size != int(is_video.sum()):
+        raise ValueError(f"the video masks cover {video_keep.size} tokens but the prompt holds "
+                         f"{int(is_video.sum())} video tokens (lay the prompt out unpruned)")
+    keep = np.ones(types.shape, bool)
+    keep[is_video] = video_keep  # boolean indexing walks row-major: prompt order
+    return keep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +61,10 @@ class VideoPlan:
 
 @dataclasses.dataclass(frozen=True)
 class PrunedPrompt:
-    input_ids: np.ndarray  # [B, L] the per-frame pruned sequence (same padding as the lumped prompt)
-    mm_token_type_ids: np.ndarray  # [B, L]
-    positions: np.ndarray  # [3, B, L] unpruned positions of the kept tokens, 0 on padding
+    input_ids: np.ndarray  # [B, S] the per-frame pruned sequence (S = L unless an adaptive method kept fewer)
+    attention_mask: np.ndarray  # [B, S] bool, padded on the side the lumped batch was
+    mm_token_type_ids: np.ndarray  # [B, S]
+    positions: np.ndarray  # [3, B, S] unpruned positions of the kept tokens, 0 on padding
     rope_deltas: np.ndarray  # [B, 1]
 
 
@@ -93,17 +116,15 @@ def prune_prompt(input_ids, attention_mask, mm_token_type_ids, image_grid_thw, p
                  vision_end_token_id: int, video_token_id: int) -> PrunedPrompt:
     """Rebuild a lumped batch into pruned per-frame rows with their positions (see module doc).
 
-    `plans` and `video_masks` (bool `[T*R*C]`, K trues each) are per video in prompt order (row-major
-    over the batch); `image_grid_thw` likewise for images.
+    `plans` and `video_masks` (bool `[T*R*C]`, at most K trues each) are per video in prompt order
+    (row-major over the batch); `image_grid_thw` likewise for images.
     """
     ids = np.asarray(input_ids)
     types = np.asarray(mm_token_type_ids)
     mask = np.asarray(attention_mask).astype(bool)
     images = [] if image_grid_thw is None else list(np.asarray(image_grid_thw).reshape(-1, 3))
     unit = spatial_merge_size**2
-    out_ids, out_types = ids.copy(), types.copy()
-    positions = np.zeros((3, *ids.shape), np.int64)
-    deltas = np.zeros((ids.shape[0], 1), np.int64)
+    rows = []  # per row: (ids, types, positions [3, S_b], delta)
     video = image = 0
     for b in range(ids.shape[0]):
         real = np.flatnonzero(mask[b])
@@ -120,12 +141,22 @@ def prune_prompt(input_ids, attention_mask, mm_token_type_ids, image_grid_thw, p
         pos_u, _ = get_rope_index(u_ids[None], u_types[None], row_images or None, row_videos or None,
                                   spatial_merge_size=spatial_merge_size)
         keep = sequence_keep_mask(u_types, [video_masks[v] for v in range(video, video + used)])
-        assert keep.sum() == real.size, "a pruned row must have the length of its lumped prompt"
-        out_ids[b, real] = u_ids[keep]
-        out_types[b, real] = u_types[keep]
-        positions[:, b, real] = pos_u[:, 0, keep]
-        deltas[b, 0] = int(pos_u.max()) + 1 - real.size
+        rows.append((u_ids[keep], u_types[keep], pos_u[:, 0, keep], int(pos_u.max()) + 1 - int(keep.sum())))
         video += used
     if video != len(plans):
         raise ValueError(f"{len(plans)} videos given but the prompt holds {video} video placeholders")
-    return PrunedPrompt(out_ids, out_types, positions, deltas)
+    # Re-pad on the lumped batch's side (left when every row ends with a real token); with exactly K
+    # kept per video every row has its lumped length and this reproduces the lumped layout.
+    width = max((r[0].size for r in rows), default=0)
+    left = bool(mask[:, -1].all()) if mask.size else True
+    pad_id = ids[~mask][0] if (~mask).any() else 0
+    out_ids = np.full((ids.shape[0], width), pad_id, ids.dtype)
+    out_types = np.zeros((ids.shape[0], width), types.dtype)
+    out_mask = np.zeros((ids.shape[0], width), bool)
+    positions = np.zeros((3, ids.shape[0], width), np.int64)
+    deltas = np.zeros((ids.shape[0], 1), np.int64)
+    for b, (r_ids, r_types, r_pos, delta) in enumerate(rows):
+        cols = slice(width - r_ids.size, width) if left else slice(0, r_ids.size)
+        out_ids[b, cols], out_types[b, cols], out_mask[b, cols], positions[:, b, cols] = r_ids, r_types, True, r_pos
+        deltas[b, 0] = delta
+    return PrunedPrompt(out_ids, out_mask, out_types, positions, deltas)

@@ -1,4 +1,4 @@
-"""VidCom2 (Video Compression Commander) as vLLM 0.33.0 runs it for Qwen3-VL (notes/video-pruning.md §4).
+"""VidCom2 (Video Compression Commander) as vLLM 0.33.0 runs it for Qwen3-VL (docs/pruning.md §4).
 
 1. keep the half of the channels with the smallest population variance; 2. L2-normalise each token;
 3. Gaussian-kernel similarity of each token to the video mean (`v`) and to its frame mean (`f`),

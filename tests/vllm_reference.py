@@ -1,23 +1,17 @@
-"""mRoPE positions after video pruning (notes/video-pruning.md §5), host-side numpy.
+"""Test oracles for video pruning: the closed form of the positions after pruning, and vLLM 0.33.0's
+own bookkeeping reproduced for parity checks (docs/pruning.md §5).
 
-The rule this port uses (the notes' closed form, §5.6): lay the prompt out UNPRUNED (per-frame
-timestamps, markers and all `R*C` video tokens per frame), compute its standard positions `P_U`
-(`qwen3vl_jax.mrope.get_rope_index`), delete the pruned video tokens. Every kept token keeps its
-unpruned position (pruned tokens leave gaps) and
+The package itself rebuilds pruned prompts with `qwen3vl_jax.pruning.prompt.prune_prompt`; these
+functions are independent formulations the tests compare it with:
 
-    delta = max(P_U) + 1 - |S| = delta_unpruned + (number of pruned tokens),
+  prune_positions(positions [3, L], keep [L])             -> (positions [3, S], delta), one row
+  prune_batch(positions [3, B, L], keep, attention_mask)  -> PrunedBatch (gather index, mask, positions,
+                                                             deltas) of a padded batch
+  decode_positions(S, delta, steps)                       -> positions of the decode tokens
 
-so decode token i (0-based after a prompt of |S| kept tokens) sits at |S| + i + delta on all axes,
-which is also `last prompt position + 1 + i` whenever the prompt ends with text.
-
-  sequence_keep_mask(mm_token_type_ids, video_masks)    -> bool keep mask over the unpruned prompt
-  prune_positions(positions [3, L], keep [L])             -> (positions [3, S], delta)
-  prune_batch(positions [3, B, L], keep, attention_mask)  -> PrunedBatch (gather index, attention mask,
-                                                             positions, rope deltas)
-
-The rest reproduces vLLM 0.33.0's own bookkeeping for parity checks (the lumped prompt, the 5-channel
-block metadata and `recompute_mrope_positions`); in the cases vLLM handles correctly (one media
-item per prefill call, no outer `VS ... VE` wrapper) it equals the closed form.
+and vLLM's lumped prompt, 5-channel block metadata and `recompute_mrope_positions`, which equal the
+closed form in the cases vLLM handles correctly (one media item per prefill call, no outer
+`VS ... VE` wrapper).
 """
 
 from __future__ import annotations
@@ -27,49 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..mrope import get_rope_index
+from qwen3vl_jax.mrope import get_rope_index
+from qwen3vl_jax.pruning.prompt import IMAGE, TEXT, VIDEO
 
-__all__ = [
-    "sequence_keep_mask",
-    "prune_positions",
-    "prune_batch",
-    "PrunedBatch",
-    "decode_positions",
-    "compute_mrope_for_media",
-    "image_block_metadata",
-    "video_block_metadata",
-    "lumped_initial_positions",
-    "recompute_mrope_positions",
-    "TEXT",
-    "IMAGE",
-    "VIDEO",
-]
-
-TEXT, IMAGE, VIDEO = 0, 1, 2
-
-
-# ----------------------------------------------------------------------------------------------
-# the closed form (what the JAX model uses)
-
-
-def sequence_keep_mask(mm_token_type_ids, video_masks: Sequence, attention_mask=None) -> np.ndarray:
-    """Bool keep mask, same shape as `mm_token_type_ids` (`[L]` or `[B, L]`) of the UNPRUNED prompt.
-
-    Non-video tokens are kept (text, timestamps, markers, images; padding too, `prune_batch` drops
-    it). The video tokens, in prompt order (row-major over a batch), take the per-video flat
-    frame-major masks of `video_masks` in order; their total length must equal the video token count.
-    """
-    types = np.asarray(mm_token_type_ids)
-    real = np.ones(types.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
-    is_video = (types == VIDEO) & real
-    flat = [np.asarray(m, dtype=bool).reshape(-1) for m in video_masks]
-    video_keep = np.concatenate(flat) if flat else np.zeros((0,), bool)
-    if video_keep.size != int(is_video.sum()):
-        raise ValueError(f"the video masks cover {video_keep.size} tokens but the prompt holds "
-                         f"{int(is_video.sum())} video tokens (lay the prompt out unpruned)")
-    keep = np.ones(types.shape, bool)
-    keep[is_video] = video_keep  # boolean indexing walks row-major: prompt order
-    return keep
+__all__ = ["prune_positions", "prune_batch", "PrunedBatch", "decode_positions", "compute_mrope_for_media",
+           "image_block_metadata", "video_block_metadata", "lumped_initial_positions",
+           "recompute_mrope_positions", "TEXT", "IMAGE", "VIDEO"]
 
 
 def prune_positions(positions, keep) -> tuple[np.ndarray, int]:
@@ -134,7 +91,7 @@ def decode_positions(prompt_length: int, delta: int, steps: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------
-# vLLM 0.33.0's bookkeeping (for parity tests and for reproducing its prompts)
+# vLLM 0.33.0's bookkeeping
 
 
 def compute_mrope_for_media(grid_thw, spatial_merge_size: int, tokens_per_second: float = 1.0,
@@ -167,7 +124,7 @@ def video_block_metadata(timestamp_lengths: Sequence[int], rows: int, cols: int,
     per-frame embedding order `B = concat_f(timestamp_f, VS, VID * n_f, VE)`.
 
     `t, h, w` are the token's positions in the unpruned per-frame layout started at 0, so kept video
-    tokens carry their unpruned relative positions (§5.3 step 4). `timestamp_lengths[f]` is the
+    tokens carry their unpruned relative positions (docs/pruning.md §5.3 step 4). `timestamp_lengths[f]` is the
     number of tokens of frame f's `<t.t seconds>` text; `mask` the flat frame-major keep mask.
     """
     tpf = int(rows) * int(cols)
@@ -195,7 +152,7 @@ def _grids(grid_thw) -> list[tuple[int, int, int]]:
 def lumped_initial_positions(mm_token_type_ids, image_grid_thw=None, video_grid_thw=None,
                              spatial_merge_size: int = 2,
                              video_token_counts: Sequence[int] | None = None) -> tuple[np.ndarray, int]:
-    """vLLM's initial positions `[3, L']` of one prompt row (§5.2) and its delta `max + 1 - L`.
+    """vLLM's initial positions `[3, L']` of one prompt row and its delta `max + 1 - L`.
 
     Each maximal run of video tokens is one frame slot of the current video; a video ends once its
     `video_token_counts[v]` tokens (default `T*R*C`, the unpruned layout) are consumed. A slot of n
@@ -253,7 +210,7 @@ def lumped_initial_positions(mm_token_type_ids, image_grid_thw=None, video_grid_
 def recompute_mrope_positions(input_ids, blocks: Sequence, positions, num_computed_tokens: int,
                               vision_start_token_id: int, image_token_id: int,
                               video_token_id: int) -> tuple[np.ndarray, int]:
-    """vLLM 0.33.0's `recompute_mrope_positions` (§5.5), quirks included (parity reference only).
+    """vLLM 0.33.0's `recompute_mrope_positions`, quirks included.
 
     `blocks`: metadata arrays `[C, L_k]`, C in {4, 5}, in order; `positions` `[3, >= N]`.
     """
