@@ -17,7 +17,7 @@ shapes, and the LLM (head_dim 128, 16 or 32 query heads, 8 kv heads), in bf16:
 Each Pallas result is first checked against the XLA spec on the GPU (bf16 tolerance) and its
 compiled HLO must contain the Triton custom call (no silent fallback). Prints, per row: time,
 TFLOP/s (attention; for Pallas also at the padded head_dim, "kernel TFLOP/s"), GB/s
-(interpolation output, decode K/V read), and the targets of notes/pallas-gpu.md:
+(interpolation output, decode K/V read), and the performance targets:
 varlen >= 250 kernel TFLOP/s and >= 70% of cuDNN's speed; decode >= 70% of HBM bandwidth;
 interpolation <= 2x the time to write its output. Exit status 1 on any correctness failure,
 2 when no GPU is present (unless `--cpu-smoke`, which shrinks every shape, runs the kernels in

@@ -16,7 +16,7 @@ Two `pallas_call`s, both selecting the Triton backend explicitly (`pltr.Compiler
   rows, the smallest Triton dot) over one slice of the cache, and writes an unnormalised partial
   output with its running max and sum; a small log-sum-exp combine in jnp finishes.
 
-Shapes inside the kernels follow the Triton rules of notes/pallas-gpu.md: power-of-two tiles (the
+Shapes inside the kernels follow the Triton rules of docs/kernels.md: power-of-two tiles (the
 caller pads head_dim, e.g. 72 -> 128), dot dimensions >= 16, no value slicing or reshapes of
 loaded tiles, finite mask values, guarded all-masked rows, float32 accumulation.
 

@@ -5,7 +5,7 @@ four table-row indices and weights of its patches (stored corner-major `[4, P]`,
 a plain row of a ref, never a value slice), gathers the four `[block_tokens, block_dim]` row
 tiles from the table and sums them in float32 in the reference's order (tap 0, 1, 2, 3).
 
-Triton rules honoured here (see notes/pallas-gpu.md): power-of-two tiles (the hidden dimension is
+Triton rules honoured here (see docs/kernels.md): power-of-two tiles (the hidden dimension is
 tiled in 128-wide columns, 1152 = 9 x 128; patches are padded to a block multiple), no value
 slicing, gathers written as `ref[index_vector, :]`, the Triton backend selected explicitly.
 """
