@@ -85,7 +85,7 @@ def test_a_non_finite_pixel_is_refused_naming_its_item(jax_model, processor):
     inputs["pixel_values"] = pixels
     with pytest.raises(ValueError, match=r"image 1 \(grid_thw \[1, 4, 4\]\) has non-finite pixel values"):
         jax_model(**inputs)
-    with pytest.raises(ValueError, match="image 1"):
+    with pytest.raises(ValueError, match=r"item 1 \(grid_thw \[1, 4, 4\]\) has non-finite"):
         jax_model.encode_vision(pixels, batch["image_grid_thw"])
 
 
