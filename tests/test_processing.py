@@ -410,8 +410,8 @@ def test_normalize_fast_path_is_the_lookup_table(ours, monkeypatch):
     video = rand_video(5, 40, 60, seed=1)
     fast_i = ours.image_processor(images)["pixel_values"]
     fast_v = ours.video_processor([video])["pixel_values_videos"]
-    assert processing._affine_path(ours.image_processor.config) is not None
-    monkeypatch.setattr(processing, "_affine_path", lambda config: None)
+    assert processing.image._affine_path(ours.image_processor.config) is not None
+    monkeypatch.setattr(processing.image, "_affine_path", lambda config: None)
     np.testing.assert_array_equal(fast_i, ours.image_processor(images)["pixel_values"])
     np.testing.assert_array_equal(fast_v, ours.video_processor([video])["pixel_values_videos"])
     # threads do not change anything either
