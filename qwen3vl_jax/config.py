@@ -209,7 +209,7 @@ class Qwen3VLConfig:
             tie = text_tie if text_tie is not None else False
         elif text_tie is not None and text_tie != tie:
             problems.append(f"tie_word_embeddings is {tie} at the top level but {text_tie} in text_config")
-        tokens = _take(top, cls, problems, "config")
+        tokens = _take(top, cls, problems, "")
         for key in ("vision", "text", "tie_word_embeddings"):
             tokens.pop(key, None)
         top.pop("vision_token_id", None)  # an alias some exports carry; never read by the model
@@ -332,6 +332,9 @@ def _require(where: str, raw: dict[str, Any], key: str, allowed: tuple, problems
             problems.append(f"{where}.{key} = {value!r}; only {allowed} is supported")
 
 
+_BAD = object()  # a field whose value was refused (the problem is already reported)
+
+
 def _type_problem(where: str, value: Any, kind: str) -> str | None:
     """Why `value` is not of the JSON type a field of annotation `kind` needs, or None.
 
@@ -366,11 +369,10 @@ def _take(raw: dict[str, Any], cls, problems: list[str], where: str,
         name = renames.get(key, key)
         if name in fields:
             value = raw.pop(key)
-            problem = None if value is None else _type_problem(f"{where}.{key}", value, fields[name])
+            problem = None if value is None else _type_problem(f"{where}.{key}" if where else key, value, fields[name])
             if problem:
                 problems.append(problem)
-            else:
-                out[name] = value
+            out[name] = _BAD if problem else value  # present (not "missing"), but never built
     return out
 
 
@@ -432,7 +434,7 @@ def _take_text(raw: dict[str, Any], problems: list[str]) -> TextConfig:
         problems.append(f"{where}: mrope_interleaved=False (Qwen2.5-VL layout) is not Qwen3-VL")
     kwargs = _take(raw, TextConfig, problems, where)
     kwargs.update(_take(rope, TextConfig, problems, where + ".rope_parameters"))
-    if "rope_theta" in kwargs:
+    if kwargs.get("rope_theta", _BAD) is not _BAD:
         kwargs["rope_theta"] = float(kwargs["rope_theta"])
     _reject_unknown(where + ".rope_parameters", rope, problems)
     if kwargs.get("num_key_value_heads") is None and "num_attention_heads" in kwargs:
