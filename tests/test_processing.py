@@ -512,7 +512,8 @@ def test_chat_template(hf, ours, tmp_path):
     # tokenize=True processes the parts' payloads, as HF does
     a = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
                                return_tensors="np")
-    b = ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_tensors="np")
+    b = ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                 return_tensors="np")
     assert_same_text(a, b)
     for key in ("image_grid_thw", "video_grid_thw"):
         np.testing.assert_array_equal(a[key], b[key])

@@ -137,15 +137,45 @@ def _affine_path(config: _PixelConfig) -> list[tuple[np.float32, np.float32, np.
     return _AFFINE_CACHE[key]
 
 
-def _size_overrides(base: _PixelConfig, kwargs: dict[str, Any]) -> _PixelConfig:
-    """Apply call-time overrides: size={'shortest_edge','longest_edge'}, min_pixels, max_pixels, ..."""
+# Keywords HF's image processor takes (`ImagesKwargs` + `Qwen2VLImageProcessorKwargs`), plus ours
+# (`num_threads`). Those this port does not implement are accepted only at their "off" value.
+IMAGE_KEYS = frozenset({
+    "do_convert_rgb", "do_resize", "size", "default_to_square", "crop_size", "resample", "do_rescale",
+    "rescale_factor", "do_normalize", "image_mean", "image_std", "do_pad", "pad_size", "do_center_crop",
+    "data_format", "input_data_format", "device", "return_tensors", "disable_grouping", "image_seq_length",
+    "min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "num_threads",
+})
+# Keys with no effect on the Qwen pixels (placement, grouping, output container).
+_NO_EFFECT_KEYS = frozenset({"device", "disable_grouping", "data_format", "return_tensors", "image_seq_length",
+                             "default_to_square", "return_metadata", "video_metadata"})
+_UNSUPPORTED_KEYS = frozenset({"do_pad", "pad_size", "do_center_crop", "crop_size"})
+
+
+def _size_overrides(base: _PixelConfig, kwargs: dict[str, Any], *, from_config: bool = False) -> _PixelConfig:
+    """Apply call-time overrides: size={'shortest_edge','longest_edge'}, min_pixels, max_pixels, ...
+
+    As HF: a call-time `size` replaces the configured one whole, so it needs both edges when the
+    images are resized (HF raises the same ValueError); `min_pixels` / `max_pixels` then override
+    one edge each. (A config file's partial `size` keeps the class default for the missing edge.)
+    """
+    for key in _UNSUPPORTED_KEYS:
+        if kwargs.get(key):
+            raise ValueError(f"{key}={kwargs[key]!r} is not supported by this port (Qwen3-VL resizes, never "
+                             "pads or crops)")
     updates = {}
     size = kwargs.get("size")
     if size is not None:
-        if "shortest_edge" in size:
-            updates["min_pixels"] = int(size["shortest_edge"])
-        if "longest_edge" in size:
-            updates["max_pixels"] = int(size["longest_edge"])
+        if not isinstance(size, dict):
+            raise ValueError(f"size must be a dict with 'shortest_edge' and 'longest_edge', got {size!r}")
+        unknown = set(size) - {"shortest_edge", "longest_edge"}
+        if unknown and not from_config:
+            raise ValueError(f"`size` dict must contain 'shortest_edge' and 'longest_edge' keys but got {size} "
+                             f"(the keys {sorted(unknown)} are not read)")
+        for key, field in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
+            if size.get(key) is not None:
+                updates[field] = int(size[key])
+            elif not from_config:
+                updates[field] = None
     for key in ("min_pixels", "max_pixels"):
         if kwargs.get(key) is not None:
             updates[key] = int(kwargs[key])
@@ -159,8 +189,9 @@ def _size_overrides(base: _PixelConfig, kwargs: dict[str, Any]) -> _PixelConfig:
             updates[key] = tuple(value) if isinstance(value, (list, tuple)) else (float(value),) * 3
     config = replace(base, **updates)
     if config.do_resize and (not config.min_pixels or not config.max_pixels):
-        raise ValueError(f"size needs positive 'shortest_edge' and 'longest_edge', got "
-                         f"min_pixels={config.min_pixels}, max_pixels={config.max_pixels}")
+        given = size if size is not None else {"shortest_edge": config.min_pixels, "longest_edge": config.max_pixels}
+        raise ValueError(f"`size` dict must contain 'shortest_edge' and 'longest_edge' keys but got {given} "
+                         "(positive pixel counts)")
     return config
 
 
@@ -259,6 +290,10 @@ class ImageProcessor:
 
     def __call__(self, images: Any, input_data_format: str | None = None, num_threads: int | None = None,
                  **kwargs) -> dict[str, np.ndarray]:
+        """Keywords as HF's Qwen2-VL image processor takes them (`IMAGE_KEYS`)."""
+        unknown = set(kwargs) - IMAGE_KEYS
+        if unknown:
+            raise TypeError(f"unexpected image processor keyword argument(s): {sorted(unknown)}")
         config = _size_overrides(self.config, kwargs)
         images = _flatten_images(images)
         if not images:
@@ -296,5 +331,5 @@ def _pixel_config_from_dict(d: dict[str, Any], defaults: _PixelConfig) -> _Pixel
             kwargs[key] = tuple(float(x) for x in v) if isinstance(v, (list, tuple)) else (float(v),) * 3
     config = replace(defaults, **kwargs)
     return _size_overrides(config, {"size": d.get("size"), "min_pixels": d.get("min_pixels"),
-                                    "max_pixels": d.get("max_pixels")})
+                                    "max_pixels": d.get("max_pixels")}, from_config=True)
 

@@ -7,6 +7,7 @@ see what HF's see.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -32,7 +33,7 @@ class VideoMetadata:
         """A copy of `value` (a VideoMetadata, HF's VideoMetadata or a dict); a missing
         total_num_frames is taken from `total_num_frames`."""
         if isinstance(value, cls):
-            return replace(value)
+            return replace(value).checked()
         if isinstance(value, dict) or hasattr(value, "keys"):
             names = {f.name for f in fields(cls)}
             kwargs = {k: value[k] for k in value if k in names}
@@ -42,15 +43,47 @@ class VideoMetadata:
                 kwargs["total_num_frames"] = total_num_frames
             if kwargs.get("frames_indices") is not None:
                 kwargs["frames_indices"] = [int(i) for i in kwargs["frames_indices"]]
-            return cls(**kwargs)
+            return cls(**kwargs).checked()
         raise TypeError(f"video metadata must be a dict or VideoMetadata, got {type(value).__name__}")
+
+    def checked(self) -> VideoMetadata:
+        """Self, if its numbers can time frames: fps positive and finite (HF divides by it: 0 raises
+        ZeroDivisionError there, NaN a cast error, and a negative fps gives negative timestamps)."""
+        fps = self.fps
+        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float, np.number))
+                                or not math.isfinite(fps) or fps <= 0):
+            raise ValueError(f"fps must be a positive finite number of source frames per second, got {fps!r}")
+        n = self.total_num_frames
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"total_num_frames must be a positive integer, got {n!r}")
+        return self
 
 
 def _is_image_like(x: Any) -> bool:
     return isinstance(x, Image.Image) or (isinstance(x, np.ndarray) and x.ndim in (2, 3))
 
 
+# PIL modes holding more than 8 bits per pixel (16-bit PNGs open as "I;16" or "I").
+_WIDE_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+
+def _wide_to_8bit(image: Image.Image) -> Image.Image:
+    """A 16-bit grayscale image as 8-bit ("L"), each level v -> round(v * 255 / 65535).
+
+    PIL's own convert("RGB") clips these at 255, so a 16-bit PNG comes out nearly white (HF's
+    loaders do exactly that); scaling keeps the picture, and equals the 8-bit export of the image.
+    """
+    if image.mode not in _WIDE_MODES:
+        return image
+    levels = np.asarray(image, dtype=np.float64)
+    if levels.size and (levels.min() < 0 or levels.max() > 65535):
+        raise ValueError(f"a {image.mode} image with values outside the 16-bit range [0, 65535] "
+                         f"([{levels.min():g}, {levels.max():g}]) has no known scale")
+    return Image.fromarray(np.round(levels * (255 / 65535)).astype(np.uint8), mode="L")
+
+
 def _pil_to_rgb(image: Image.Image) -> np.ndarray:
+    image = _wide_to_8bit(image)
     # As HF's convert_to_rgb: transparency is composited onto white.
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         image = image.convert("RGBA")
@@ -66,6 +99,8 @@ def _to_uint8(array: np.ndarray) -> np.ndarray:
         return array
     if array.dtype == bool:
         raise ValueError("boolean arrays are not images")
+    if array.dtype == np.uint16:  # a 16-bit image: scaled to 8 bits as a 16-bit PNG is (see _wide_to_8bit)
+        return np.round(array * (255 / 65535)).astype(np.uint8)
     if np.issubdtype(array.dtype, np.integer) or np.allclose(array, np.round(array)):
         if array.size and (array.min() < 0 or array.max() > 255):
             raise ValueError(f"pixel values must lie in [0, 255], got [{array.min()}, {array.max()}]")
@@ -122,7 +157,7 @@ def load_image(image: Any, input_data_format: str | None = None) -> np.ndarray:
         try:
             with Image.open(path) as opened:
                 # As HF's load_image: upright by EXIF, then plain RGB conversion.
-                return np.asarray(ImageOps.exif_transpose(opened).convert("RGB"))
+                return np.asarray(_wide_to_8bit(ImageOps.exif_transpose(opened)).convert("RGB"))
         except (OSError, Image.UnidentifiedImageError, ValueError) as e:
             raise ValueError(f"could not read image file {path}: {e}") from e
     if isinstance(image, Image.Image):
@@ -203,22 +238,45 @@ def _flatten_images(images: Any) -> list[Any]:
     return [images]
 
 
+def _is_video(x: Any) -> bool:
+    """A 4-D array, or a non-empty list of frames (PIL images or 2-/3-D arrays): HF's `is_valid_video`."""
+    if isinstance(x, (list, tuple)):
+        return bool(x) and all(_is_image_like(f) for f in x)
+    return isinstance(x, np.ndarray) and x.ndim == 4
+
+
 def _batch_videos(videos: Any) -> list[Any]:
-    """One video or a list of videos -> a list of videos (a list of frames counts as one video)."""
-    if isinstance(videos, (str, os.PathLike)):
-        return [videos]
+    """The list of videos in `videos`, nested as HF's `make_batched_videos` reads it.
+
+    A video is a file path, a 4-D array, a list of frames, or a list of frame image paths. A flat
+    list of paths is several video files; one of frame image paths is a video only one level
+    deeper than a list of videos (`[[[a.png, b.png]]]`, what the chat template collects per
+    conversation: HF's early exit). A 5-D array is a batch.
+    """
+    try:  # HF's early exit: a nested list of image paths is a batch of frame-path videos
+        if isinstance(videos[0][0], (list, tuple)) and isinstance(videos[0][0][0], (str, os.PathLike)):
+            return [list(paths) for sublist in videos for paths in sublist]
+    except (IndexError, TypeError, KeyError):
+        pass
+    if isinstance(videos, (str, os.PathLike)) or _is_video(videos):
+        return [list(videos) if isinstance(videos, (list, tuple)) else videos]
     if isinstance(videos, np.ndarray):
         if videos.ndim == 5:
             return list(videos)
-        return [videos]
-    if isinstance(videos, (list, tuple)):
-        if not videos:
-            return []
-        if all(_is_image_like(v) for v in videos):  # frames of one video
-            return [list(videos)]
-        out = []
-        for v in videos:
-            out.extend(_batch_videos(v))
-        return out
-    return [videos]
-
+        raise ValueError(f"a video array must have 4 dimensions (T, H, W, C), got shape {videos.shape}")
+    if _is_image_like(videos):
+        raise ValueError("a single image is not a video: pass a list of frames or a (T, H, W, C) array")
+    if not isinstance(videos, (list, tuple)):
+        raise TypeError(f"unsupported video type {type(videos).__name__}: pass a (T, H, W, C) array, a list of "
+                        "frames or a file path")
+    out = []
+    for item in videos:
+        if isinstance(item, (str, os.PathLike)) or _is_video(item):
+            out.append(list(item) if isinstance(item, (list, tuple)) else item)
+        elif isinstance(item, (list, tuple)) and item:
+            out.extend(_batch_videos(item))
+        elif isinstance(item, np.ndarray):
+            raise ValueError(f"a video array must have 4 dimensions (T, H, W, C), got shape {item.shape}")
+        elif not isinstance(item, (list, tuple)):
+            raise TypeError(f"unsupported video type {type(item).__name__}")
+    return out

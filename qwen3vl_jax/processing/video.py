@@ -90,6 +90,17 @@ def frame_timestamps(frames_indices: Sequence[int], video_fps: float,
 
 
 
+# Keywords HF's video processor takes (`VideosKwargs` + `Qwen3VLVideoProcessorInitKwargs`), plus ours
+# (`num_threads`).
+VIDEO_KEYS = frozenset({
+    "do_convert_rgb", "do_resize", "size", "default_to_square", "resample", "do_rescale", "rescale_factor",
+    "do_normalize", "image_mean", "image_std", "do_center_crop", "do_pad", "crop_size", "data_format",
+    "input_data_format", "device", "do_sample_frames", "video_metadata", "fps", "num_frames", "return_metadata",
+    "return_tensors", "patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames",
+    "cap_pixels_per_frame", "max_video_tokens", "num_threads",
+})
+
+
 @dataclass(frozen=True)
 class _VideoConfig:
     fps: float | None = 2
@@ -150,7 +161,13 @@ class VideoProcessor:
         if isinstance(video, (list, tuple)):
             if not video:
                 raise ValueError("a video given as a list of frames must have at least one frame")
-            frames = np.stack([load_image(f, input_data_format) for f in video])
+            if do_sample and any(isinstance(f, (str, os.PathLike)) for f in video):
+                raise ValueError("Sampling frames from a list of images is not supported! Set "
+                                 "`do_sample_frames=False`. (HF's refusal, for a video given as frame files)")
+            frames = [load_image(f, input_data_format) for f in video]
+            if len({f.shape for f in frames}) > 1:
+                raise ValueError(f"the frames of a video must share one size, got {sorted({f.shape for f in frames})}")
+            frames = np.stack(frames)
         else:
             frames = np.asarray(video)
             if frames.ndim != 4:
@@ -233,20 +250,33 @@ class VideoProcessor:
     def __call__(self, videos: Any, video_metadata: Any = None, input_data_format: str | None = None,
                  fps: float | None = None, num_frames: int | None = None, num_threads: int | None = None,
                  **kwargs) -> dict[str, Any]:
+        """Keywords as HF's `Qwen3VLVideoProcessor` takes them (`VIDEO_KEYS`). As in HF 5.x,
+        `min_frames`, `max_frames` and `max_video_tokens` are the processor's own (its config, or
+        `from_pretrained(videos_kwargs=...)`): given at call time they are accepted and have no effect."""
+        unknown = set(kwargs) - VIDEO_KEYS
+        if unknown:
+            raise TypeError(f"unexpected video processor keyword argument(s): {sorted(unknown)}")
         config = _size_overrides(self.config, kwargs)
-        vc = replace(self.video, **{
-            f.name: kwargs[f.name] for f in fields(_VideoConfig)
-            if kwargs.get(f.name) is not None and f.name not in ("fps", "num_frames")})
+        vc = replace(self.video, **{k: kwargs[k] for k in ("do_sample_frames", "cap_pixels_per_frame")
+                                    if kwargs.get(k) is not None})
         videos = _batch_videos(videos)
         if video_metadata is None:
             metas = [None] * len(videos)
         elif isinstance(video_metadata, (list, tuple)):
             metas = list(video_metadata)
+            if metas and isinstance(metas[0], (list, tuple)):  # nested per prompt, as HF's tests pass it
+                metas = [m for group in metas for m in group]
         else:
             metas = [video_metadata]
         if len(metas) != len(videos):
             raise ValueError(
                 f"got {len(videos)} videos but {len(metas)} video_metadata entries; pass one per video")
+        for i, meta in enumerate(metas):
+            if meta is not None:
+                try:
+                    VideoMetadata.coerce(meta, 1)
+                except (ValueError, TypeError) as e:
+                    raise type(e)(f"video_metadata[{i}]: {e}") from e
         threads = _default_threads() if num_threads is None else num_threads
         patches, grids, stamps, out_meta = [], [], [], []
         for video, meta in zip(videos, metas):
