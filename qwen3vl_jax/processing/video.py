@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .image import _check_aspect_ratio, _default_threads, _map, _patchify, _PixelConfig, _pixel_config_from_dict, _resize, _size_overrides
-from .media import VideoMetadata, _array_to_rgb, _batch_videos, load_image, load_video
+from .media import VideoMetadata, _array_to_rgb, _batch_videos, _is_video, load_image, load_video
 
 def smart_resize_video(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
                        min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -259,7 +259,11 @@ class VideoProcessor:
         config = _size_overrides(self.config, kwargs)
         vc = replace(self.video, **{k: kwargs[k] for k in ("do_sample_frames", "cap_pixels_per_frame")
                                     if kwargs.get(k) is not None})
-        videos = _batch_videos(videos)
+        if isinstance(videos, (list, tuple)) and videos and not _is_video(videos) and all(
+                isinstance(v, (str, os.PathLike, list, tuple)) or _is_video(v) for v in videos):
+            videos = list(videos)  # one entry per video already (what the processor passes)
+        else:
+            videos = _batch_videos(videos)
         if video_metadata is None:
             metas = [None] * len(videos)
         elif isinstance(video_metadata, (list, tuple)):
