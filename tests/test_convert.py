@@ -245,3 +245,11 @@ def test_truncated_shard_and_corrupt_index_name_the_file(tmp_path):
         f.write('{"weight_map": {')
     with pytest.raises(CheckpointError, match=rf"{index} is not a valid safetensors index"):
         Qwen3VL.from_pretrained(d)
+
+
+def test_model_save_methods_refuse_a_non_empty_directory(tiny_dir, tmp_path, jax_model):
+    (tmp_path / "old.txt").write_text("an earlier checkpoint")
+    for save in (jax_model.save_orbax, jax_model.save_hf):
+        with pytest.raises(ValueError, match=rf"{tmp_path} is not empty"):
+            save(tmp_path)
+    assert os.listdir(tmp_path) == ["old.txt"]  # nothing written, no temporary directory left

@@ -933,3 +933,8 @@ def test_corrupt_processor_json_names_the_file(ckpt, tmp_path):
     (bad / "preprocessor_config.json").write_text('{"patch_size": 16,')
     with pytest.raises(ValueError, match=rf"{bad / 'preprocessor_config.json'} is not valid JSON"):
         Qwen3VLProcessor.from_pretrained(bad)
+    shutil.copy(os.path.join(ckpt, "preprocessor_config.json"), bad)
+    text = (bad / "tokenizer.json").read_text()
+    (bad / "tokenizer.json").write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=rf"{bad / 'tokenizer.json'}: cannot read the tokenizer"):
+        Qwen3VLProcessor.from_pretrained(bad)

@@ -18,10 +18,19 @@ HF's op order for all 256 levels (else a per-level lookup table); uint8 pixels a
 patch order before conversion; images and temporal-patch chunks of a video run on a thread pool
 (`num_threads`, default min(8, cores)); outputs are written in place.
 
-Deliberate differences from HF: non-integer float pixel arrays are refused (HF round-trips them
-through uint8 and rescales twice); 2-D arrays are grayscale images; a list of PIL frames can be
-sampled; an empty image raises a ValueError (HF: ZeroDivisionError); `num_frames` alone needs no
-`fps=None`.
+Keywords follow HF 5.x's groups (`text_kwargs`, `images_kwargs`, `videos_kwargs`, `common_kwargs`;
+see `processor.py`), including its refusals; as in HF, call-time `min_pixels` / `max_pixels` reach
+images only, and call-time `min_frames` / `max_frames` / `max_video_tokens` change nothing (the
+processor's config decides; set them with `from_pretrained(videos_kwargs=...)`).
+
+Deliberate differences from HF (each a clear error or a documented choice, never a silent
+divergence on input both accept): a keyword no group knows is a TypeError (HF warns and ignores
+it); non-integer float pixel arrays are refused (HF round-trips them through uint8 and rescales
+twice); 16-bit images (PIL mode I;16, 16-bit PNG files, uint16 arrays) are scaled to 8 bits (HF
+clips them at 255: nearly white); 2-D arrays are grayscale images; a list of PIL frames can be
+sampled; an empty image, an empty prompt, and a video_metadata fps that is 0, negative or not
+finite raise a ValueError naming the item (HF: ZeroDivisionError, an empty prompt, negative
+timestamps); `num_frames` alone needs no `fps=None`.
 
 Axis glossary (one letter per axis):
   P  flattened patches of all items, in (t, h-block, w-block, h-in-block, w-in-block) order

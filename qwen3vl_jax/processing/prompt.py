@@ -32,7 +32,11 @@ def _load_tokenizer(path: str, tokenizer_config: dict[str, Any]):
     """
     from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 
-    tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    file = os.path.join(path, "tokenizer.json")
+    try:
+        tokenizer = Tokenizer.from_file(file)
+    except Exception as e:  # the tokenizers library names neither the file nor always the problem
+        raise ValueError(f"{file}: cannot read the tokenizer: {e}") from e
     if tokenizer_config.get("tokenizer_class", "Qwen2Tokenizer") in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):
         regex = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
