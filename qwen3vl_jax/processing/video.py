@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from .image import _check_aspect_ratio, _default_threads, _map, _patchify, _PixelConfig, _pixel_config_from_dict, _resize, _size_overrides
+from .image import (_check_aspect_ratio, _default_threads, _map, _patchify, _PixelConfig, _pixel_config_from_dict,
+                    _resize, _size_overrides)
 from .media import VideoMetadata, _array_to_rgb, _batch_videos, _is_video, load_image, load_video
 
 def smart_resize_video(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
