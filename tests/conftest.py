@@ -6,6 +6,7 @@ rounding (different summation orders, transcendental implementations), never a n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 
@@ -76,6 +77,21 @@ def assert_close(ours, ref, kind: str, what: str = "") -> float:
         f"(ours {ours[worst]:.6g}, ref {ref[worst]:.6g})"
     )
     return float(diff.max()) if diff.size else 0.0
+
+
+@contextlib.contextmanager
+def gpu_lowering_target():
+    """Around `jax.export(..., platforms=["cuda"])` of Pallas Triton kernels on a machine without a
+    GPU: on jax >= 0.11 lowering needs an abstract GPU device to lower for (an H100, sm_90: the
+    target jax 0.10 falls back to by itself); on jax 0.10 nothing is needed."""
+    if jax.__version_info__ < (0, 11, 0):
+        yield
+        return
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
+        yield
 
 
 def random_image(h: int, w: int, seed: int):

@@ -12,11 +12,10 @@ Each export goes through the public api under `lowering_for_gpu()`, so the head_
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import gpu_lowering_target
 from jax import export
 
 from pallas_kernels import _dispatch
@@ -32,19 +31,6 @@ TRITON = "__gpu$xla.gpu.triton"
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 
-@contextlib.contextmanager
-def _gpu_target():
-    """On jax >= 0.11 lowering Triton on a machine without a GPU needs an abstract GPU device to
-    lower for (an H100: sm_90, the target jax 0.10 falls back to); jax 0.10 needs nothing."""
-    if jax.__version_info__ < (0, 11, 0):
-        yield
-        return
-    from jax.sharding import AbstractDevice, AbstractMesh
-
-    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
-        yield
-
 # name -> (vision hidden, heads, head_dim); LLM: head_dim 128, (query heads, kv heads)
 VISION = {"2B": (1024, 16, 64), "8B": (1152, 16, 72)}
 LLM = {"2B": (16, 8), "8B": (32, 8)}
@@ -53,7 +39,7 @@ IMAGE_TOKENS = {"448^2": 28 * 28, "896^2": 56 * 56, "1792^2": 112 * 112, "8-fram
 
 def _lower(fn, *specs) -> str:
     checks = [export.DisabledSafetyCheck.custom_call(TRITON)]  # not export-stable; we only lower
-    with _dispatch.lowering_for_gpu(), _gpu_target():
+    with _dispatch.lowering_for_gpu(), gpu_lowering_target():
         exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*specs)
     return exported.mlir_module()
 
