@@ -24,13 +24,13 @@ TORCH_FREE_LANE = os.environ.get("QWEN3VL_JAX_LANE") == "torch-free"
 # A test file needs torch when it imports it or the HF reference fixtures.
 _NEEDS_TORCH = re.compile(r"^\s*(import torch|from torch)|\bhf_model\b|\bhf_processor\b|AutoProcessor|"
                           r"Qwen3VLForConditionalGeneration|Qwen2VLImageProcessorPil", re.M)
-_left_out: list[str] = []
+_left_out: set[str] = set()  # pytest may ask about a file more than once
 
 
 def pytest_ignore_collect(collection_path, config):
     if TORCH_FREE_LANE and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
         if _NEEDS_TORCH.search(collection_path.read_text()):
-            _left_out.append(f"{collection_path.name} (needs torch)")
+            _left_out.add(f"{collection_path.name} (needs torch)")
             return True
     return None
 
@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config, items):
         return
     kept = [item for item in items if item.get_closest_marker("needs_torch") is None]
     dropped = [item for item in items if item.get_closest_marker("needs_torch") is not None]
-    _left_out.extend(f"{item.nodeid} (needs_torch)" for item in dropped)
+    _left_out.update(f"{item.nodeid} (needs_torch)" for item in dropped)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
