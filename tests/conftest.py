@@ -17,33 +17,40 @@ import pytest
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # The torch-free lane (`QWEN3VL_JAX_LANE=torch-free`, run by .ci/run on the newest jax, where the
-# HF torch reference is not installed): test files that need torch are not collected and tests
-# marked `needs_torch` are deselected, and the summary lists both, so nothing is counted as a
-# pass or a skip. In the default lane nothing is left out: a missing torch is an error there.
+# HF torch reference is not installed). A test file that imports torch at module level, or uses
+# torch / the HF reference anywhere without marking its torch tests `needs_torch`, is not
+# collected; in a file that marks them, those tests (and any using the HF reference fixtures) are
+# deselected. The summary lists all of them, so nothing is counted as a pass or a skip. In the
+# default lane nothing is left out: a missing torch is an error there.
 TORCH_FREE_LANE = os.environ.get("QWEN3VL_JAX_LANE") == "torch-free"
-# A test file needs torch when it imports it or the HF reference fixtures.
-_NEEDS_TORCH = re.compile(r"^\s*(import torch|from torch)|\bhf_model\b|\bhf_processor\b|AutoProcessor|"
-                          r"Qwen3VLForConditionalGeneration|Qwen2VLImageProcessorPil", re.M)
+_MODULE_IMPORTS_TORCH = re.compile(r"^(import torch|from torch|import torchvision)", re.M)
+_USES_TORCH = re.compile(r"^\s*(import torch|from torch)|\bhf_model\b|\bhf_processor\b|AutoProcessor|"
+                         r"Qwen3VLForConditionalGeneration|Qwen2VLImageProcessorPil", re.M)
+_TORCH_FIXTURES = {"hf_model", "hf_processor"}
 _left_out: set[str] = set()  # pytest may ask about a file more than once
 
 
 def pytest_ignore_collect(collection_path, config):
     if TORCH_FREE_LANE and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
-        if _NEEDS_TORCH.search(collection_path.read_text()):
+        text = collection_path.read_text()
+        if _MODULE_IMPORTS_TORCH.search(text) or (_USES_TORCH.search(text) and "needs_torch" not in text):
             _left_out.add(f"{collection_path.name} (needs torch)")
             return True
     return None
 
 
+def _needs_torch(item) -> bool:
+    return item.get_closest_marker("needs_torch") is not None or bool(_TORCH_FIXTURES & set(item.fixturenames))
+
+
 def pytest_collection_modifyitems(config, items):
     if not TORCH_FREE_LANE:
         return
-    kept = [item for item in items if item.get_closest_marker("needs_torch") is None]
-    dropped = [item for item in items if item.get_closest_marker("needs_torch") is not None]
-    _left_out.update(f"{item.nodeid} (needs_torch)" for item in dropped)
+    dropped = [item for item in items if _needs_torch(item)]
+    _left_out.update(f"{item.nodeid} (needs torch)" for item in dropped)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = kept
+        items[:] = [item for item in items if not _needs_torch(item)]
 
 
 def pytest_terminal_summary(terminalreporter):

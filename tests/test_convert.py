@@ -7,7 +7,6 @@ import os
 
 import numpy as np
 import pytest
-import torch
 from conftest import assert_close
 
 from qwen3vl_jax import Qwen3VL
@@ -29,7 +28,9 @@ def _vision_batch(model):
     return pix, grid
 
 
+@pytest.mark.needs_torch
 def test_round_trip_hf_orbax_hf(tiny_dir, tmp_path, hf_model):
+    import torch
     from transformers import Qwen3VLForConditionalGeneration
 
     orbax_dir, hf_dir = tmp_path / "orbax", tmp_path / "hf"
@@ -72,6 +73,7 @@ def test_orbax_checkpoint_of_another_architecture_is_refused(tiny_dir, tmp_path)
         Qwen3VL.from_pretrained(tmp_path / "o")
 
 
+@pytest.mark.needs_torch
 def test_sharded_checkpoint_and_missing_shard(tmp_path, hf_model, jax_model):
     d = make_tiny_checkpoint(tmp_path / "sharded", max_shard_bytes=300_000)
     index = json.load(open(os.path.join(d, "model.safetensors.index.json")))
