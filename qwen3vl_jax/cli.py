@@ -32,7 +32,7 @@ def default_cache_dir() -> str:
 
 def ensure_tiny_checkpoint(cache_dir: str | None = None) -> str:
     """The built-in tiny default as an Orbax directory, synthesized and converted on first use."""
-    from .convert import copy_side_files
+    from .convert import atomic_directory, copy_side_files
     from .model import Qwen3VL
     from .testing import make_tiny_checkpoint
 
@@ -40,10 +40,9 @@ def ensure_tiny_checkpoint(cache_dir: str | None = None) -> str:
     path = os.path.join(root, TINY_NAME)
     if not os.path.isdir(os.path.join(path, "orbax")):
         hf_dir = make_tiny_checkpoint(os.path.join(root, TINY_NAME + "-hf"))
-        partial = path + ".partial"
-        Qwen3VL.from_pretrained(hf_dir).save_orbax(partial)
-        copy_side_files(hf_dir, partial)
-        os.replace(partial, path)
+        with atomic_directory(path, overwrite=True) as tmp:  # an incomplete earlier one is replaced
+            Qwen3VL.from_pretrained(hf_dir).save_orbax(tmp)
+            copy_side_files(hf_dir, tmp)
     return path
 
 
@@ -164,19 +163,21 @@ def run_convert(args) -> None:
 
     import jax.numpy as jnp
 
-    from .convert import copy_side_files
+    from .convert import atomic_directory, copy_side_files
     from .model import Qwen3VL, count_params
 
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     start = time.perf_counter()
-    model = Qwen3VL.from_pretrained(args.source, dtype=dtype, progress=True)
-    os.makedirs(args.out, exist_ok=True)
-    if args.to == "orbax":
-        model.save_orbax(args.out)
-    else:
-        model.save_hf(args.out, dtype=args.dtype, max_shard_bytes=args.max_shard_bytes)
-    # An HF export writes its own config.json; an Orbax directory keeps the source's beside the weights.
-    copied = copy_side_files(args.source, args.out, skip=("config.json",) if args.to == "hf" else ())
+    # Refuse a non-empty target before the (long) read, and again when renaming into place.
+    with atomic_directory(args.out, overwrite=args.overwrite) as tmp:
+        model = Qwen3VL.from_pretrained(args.source, dtype=dtype, progress=True)
+        if args.to == "orbax":
+            model.save_orbax(tmp)
+        else:
+            model.save_hf(tmp, dtype=args.dtype, max_shard_bytes=args.max_shard_bytes)
+        # An HF export writes its own config.json; an Orbax directory keeps the source's beside the
+        # weights. Side files are written before the directory becomes visible under its name.
+        copied = copy_side_files(args.source, tmp, skip=("config.json",) if args.to == "hf" else ())
     n = count_params(model)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB on Linux
     print(f"wrote {args.to} checkpoint to {args.out}: {n:,} parameters in {args.dtype} "
@@ -207,6 +208,8 @@ def main(argv=None) -> int:
     convert.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     convert.add_argument("--to", choices=("orbax", "hf"), default="orbax")
     convert.add_argument("--max-shard-bytes", type=int, default=None, help="shard size for --to hf")
+    convert.add_argument("--overwrite", action="store_true",
+                         help="replace a non-empty output directory (by default it is refused)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         run_demo(args)

@@ -202,17 +202,22 @@ class Qwen3VLConfig:
         text_tie = text_raw.pop("tie_word_embeddings", None)
         text = _take_text(text_raw, problems)
         tie = top.pop("tie_word_embeddings", None)
+        for key, value in (("tie_word_embeddings", tie), ("text_config.tie_word_embeddings", text_tie)):
+            if value is not None and (problem := _type_problem(key, value, "bool")):
+                problems.append(problem)
         if tie is None:
             tie = text_tie if text_tie is not None else False
-        elif text_tie is not None and bool(text_tie) != bool(tie):
+        elif text_tie is not None and text_tie != tie:
             problems.append(f"tie_word_embeddings is {tie} at the top level but {text_tie} in text_config")
-        tokens = {k: int(top.pop(k)) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                              "vision_end_token_id") if k in top}
+        tokens = _take(top, cls, problems, "")
+        for key in ("vision", "text", "tie_word_embeddings"):
+            tokens.pop(key, None)
         top.pop("vision_token_id", None)  # an alias some exports carry; never read by the model
         _reject_unknown("config", top, problems)
         if problems:
-            raise ConfigError("cannot represent this Qwen3-VL config:\n  - " + "\n  - ".join(problems))
-        return cls(vision=vision, text=text, tie_word_embeddings=bool(tie), **tokens)
+            origin = f" ({_config_path(source)})" if isinstance(source, (str, os.PathLike)) else ""
+            raise ConfigError(f"cannot represent this Qwen3-VL config{origin}:\n  - " + "\n  - ".join(problems))
+        return cls(vision=vision, text=text, tie_word_embeddings=tie, **tokens)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF `config.json` content (v5 `rope_parameters` form)."""
@@ -284,17 +289,30 @@ class Qwen3VLConfig:
 # ---------------------------------------------------------------------- parsing helpers
 
 
+def read_json(path: str | os.PathLike) -> Any:
+    """A JSON file's content; unreadable or malformed JSON is a `ConfigError` naming the file."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from e
+
+
+def _config_path(source: str | os.PathLike) -> str:
+    path = os.fspath(source)
+    return os.path.join(path, "config.json") if os.path.isdir(path) else path
+
+
 def _as_dict(source: Any) -> dict[str, Any]:
     if isinstance(source, Mapping):
         return json.loads(json.dumps(dict(source)))  # deep copy, tuples -> lists
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
+        path = _config_path(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no config.json at {path}")
-        with open(path) as f:
-            return json.load(f)
+        return read_json(path)
     if hasattr(source, "to_dict"):
         return source.to_dict()
     raise TypeError(f"from_hf_config takes a transformers config, a dict or a path, not {type(source).__name__}")
@@ -314,13 +332,47 @@ def _require(where: str, raw: dict[str, Any], key: str, allowed: tuple, problems
             problems.append(f"{where}.{key} = {value!r}; only {allowed} is supported")
 
 
-def _take(raw: dict[str, Any], cls, renames: Mapping[str, str] = {}) -> dict[str, Any]:
-    fields = {f.name for f in dataclasses.fields(cls)}
+_BAD = object()  # a field whose value was refused (the problem is already reported)
+
+
+def _type_problem(where: str, value: Any, kind: str) -> str | None:
+    """Why `value` is not of the JSON type a field of annotation `kind` needs, or None.
+
+    As HF's strict config classes do: an int field takes only an int (not "64", 64.0 or true), a
+    float field an int or float (not "1e-6"), a bool field only true / false (not "false", which
+    Python would read as true), a tuple field a list of ints.
+    """
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if kind == "int":
+        ok = is_int(value)
+    elif kind == "float":
+        ok = is_int(value) or isinstance(value, float)
+    elif kind == "bool":
+        ok = isinstance(value, bool)
+    elif kind.startswith("tuple[int"):
+        ok = isinstance(value, (list, tuple)) and all(is_int(v) for v in value)
+    else:
+        return None
+    if ok:
+        return None
+    return f"{where} = {value!r} ({type(value).__name__}) must be {'a list of int' if kind.startswith('tuple') else kind}"
+
+
+def _take(raw: dict[str, Any], cls, problems: list[str], where: str,
+          renames: Mapping[str, str] = {}) -> dict[str, Any]:
+    """Pop the fields of `cls` from `raw`; a value of the wrong type is a problem, not a field."""
+    fields = {f.name: f.type for f in dataclasses.fields(cls)}
     out = {}
     for key in list(raw):
         name = renames.get(key, key)
         if name in fields:
-            out[name] = raw.pop(key)
+            value = raw.pop(key)
+            problem = None if value is None else _type_problem(f"{where}.{key}" if where else key, value, fields[name])
+            if problem:
+                problems.append(problem)
+            out[name] = _BAD if problem else value  # present (not "missing"), but never built
     return out
 
 
@@ -338,13 +390,17 @@ def _take_vision(raw: dict[str, Any], problems: list[str]) -> VisionConfig:
             if len(values) != 1:
                 problems.append(f"{where}.{key} = {raw[key]}: only square patches are supported")
             raw[key] = values.pop()
-    kwargs = _take(raw, VisionConfig, {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"})
-    kwargs["rope_theta"] = float(theta)
+    kwargs = _take(raw, VisionConfig, problems, where, {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"})
+    if problem := _type_problem(where + ".rope_theta", theta, "float"):
+        problems.append(problem)
+    else:
+        kwargs["rope_theta"] = float(theta)
     _reject_unknown(where, raw, problems)
     missing = [f.name for f in dataclasses.fields(VisionConfig)
                if f.default is dataclasses.MISSING and f.name not in kwargs]
-    if missing:
-        problems.append(f"{where} lacks {missing}")
+    if missing or problems:
+        if missing:
+            problems.append(f"{where} lacks {missing}")
         return None  # type: ignore[return-value]
     try:
         return VisionConfig(**kwargs)
@@ -376,11 +432,10 @@ def _take_text(raw: dict[str, Any], problems: list[str]) -> TextConfig:
         problems.append(f"{where}: rope_type {rope_type!r} is not supported (only 'default' mRoPE)")
     if not rope.pop("mrope_interleaved", True):
         problems.append(f"{where}: mrope_interleaved=False (Qwen2.5-VL layout) is not Qwen3-VL")
-    kwargs = _take(raw, TextConfig)
-    if "rope_theta" in rope:
-        kwargs["rope_theta"] = float(rope.pop("rope_theta"))
-    if "mrope_section" in rope:
-        kwargs["mrope_section"] = tuple(rope.pop("mrope_section"))
+    kwargs = _take(raw, TextConfig, problems, where)
+    kwargs.update(_take(rope, TextConfig, problems, where + ".rope_parameters"))
+    if kwargs.get("rope_theta", _BAD) is not _BAD:
+        kwargs["rope_theta"] = float(kwargs["rope_theta"])
     _reject_unknown(where + ".rope_parameters", rope, problems)
     if kwargs.get("num_key_value_heads") is None and "num_attention_heads" in kwargs:
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
@@ -389,8 +444,9 @@ def _take_text(raw: dict[str, Any], problems: list[str]) -> TextConfig:
     _reject_unknown(where, raw, problems)
     missing = [f.name for f in dataclasses.fields(TextConfig)
                if f.default is dataclasses.MISSING and f.name not in kwargs]
-    if missing:
-        problems.append(f"{where} lacks {missing}")
+    if missing or problems:
+        if missing:
+            problems.append(f"{where} lacks {missing}")
         return None  # type: ignore[return-value]
     try:
         return TextConfig(**kwargs)

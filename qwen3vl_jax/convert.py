@@ -11,6 +11,7 @@ Our paths are dotted NNX state paths, e.g. `visual.blocks.3.attn.qkv.kernel`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -125,8 +126,11 @@ def safetensors_files(directory: str | os.PathLike) -> list[str]:
     index = os.path.join(directory, "model.safetensors.index.json")
     single = os.path.join(directory, "model.safetensors")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map", {})
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index (no JSON weight_map): {e!r}") from e
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not os.path.isfile(os.path.join(directory, s))]
         if missing:
@@ -141,12 +145,15 @@ def safetensors_files(directory: str | os.PathLike) -> list[str]:
 
 def iter_hf_tensors(directory: str | os.PathLike) -> Iterator[tuple[str, str, np.ndarray]]:
     """Yield (shard file, HF name, numpy array), one shard open at a time."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for file in safetensors_files(directory):
-        with safe_open(file, framework="np") as f:
-            for name in f.keys():
-                yield file, name, f.get_tensor(name)
+        try:  # a truncated or corrupt shard fails here, inside safetensors, without naming the file
+            with safe_open(file, framework="np") as f:
+                for name in f.keys():
+                    yield file, name, f.get_tensor(name)
+        except SafetensorError as e:
+            raise CheckpointError(f"{file}: cannot read the safetensors file (truncated or corrupt?): {e}") from e
 
 
 # ---------------------------------------------------------------------- loading and exporting
@@ -235,6 +242,47 @@ _SIDE_FILES = (
 )
 
 
+@contextlib.contextmanager
+def atomic_directory(directory: str | os.PathLike, *, overwrite: bool = False) -> Iterator[str]:
+    """Yield a fresh temporary directory beside `directory`; on success rename it to `directory`.
+
+    Everything written inside (weights, config, side files) becomes visible together, so a crash or
+    kill at any point leaves either no directory at `directory` or a complete one, never weights
+    of one checkpoint beside files of another. A non-empty `directory` is refused unless
+    `overwrite`; then it is moved aside, the new one renamed in, and the old one deleted (a kill
+    between the two renames leaves no directory at `directory` and the old one at `.NAME.old-*`).
+    On an exception the temporary directory is removed.
+    """
+    import shutil
+    import tempfile
+
+    target = os.path.abspath(os.fspath(directory))
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise ValueError(f"{target} exists and is not a directory")
+    if os.path.isdir(target) and os.listdir(target) and not overwrite:
+        raise ValueError(f"{target} is not empty; choose a new directory or pass overwrite=True "
+                         "(`--overwrite` on the command line) to replace it")
+    parent, name = os.path.split(target)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    try:
+        yield tmp
+        if overwrite and os.path.isdir(target):
+            old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+            os.replace(target, old)  # rename(2) may replace an empty directory
+            os.replace(tmp, target)
+            shutil.rmtree(old)
+        else:
+            try:  # onto nothing or an empty directory; one that filled up meanwhile is refused
+                os.replace(tmp, target)
+            except OSError as e:
+                raise ValueError(f"{target} is not empty (written to while converting?); nothing was "
+                                 "replaced") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def is_orbax_dir(directory: str | os.PathLike) -> bool:
     return os.path.isdir(os.path.join(os.fspath(directory), ORBAX_SUBDIR))
 
@@ -254,16 +302,20 @@ def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike, skip: tuple[
     return copied
 
 
-def save_orbax(params_tree, config: Qwen3VLConfig, directory: str | os.PathLike) -> str:
-    """Write `{directory}/orbax/0/{params, config}`: the parameter tree and the config as JSON."""
+def save_orbax(params_tree, config: Qwen3VLConfig, directory: str | os.PathLike, *,
+               overwrite: bool = False) -> str:
+    """Write `{directory}/orbax/0/{params, config}`: the parameter tree and the config as JSON.
+
+    Written through `atomic_directory`: a non-empty `directory` is refused unless `overwrite`.
+    """
     import orbax.checkpoint as ocp
 
-    root = os.path.abspath(os.path.join(os.fspath(directory), ORBAX_SUBDIR))
-    with ocp.CheckpointManager(root) as manager:
-        manager.save(0, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(params_tree), config=ocp.args.JsonSave(config.to_hf_dict())))
-        manager.wait_until_finished()
-    return root
+    with atomic_directory(directory, overwrite=overwrite) as tmp:
+        with ocp.CheckpointManager(os.path.join(tmp, ORBAX_SUBDIR)) as manager:
+            manager.save(0, args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params_tree), config=ocp.args.JsonSave(config.to_hf_dict())))
+            manager.wait_until_finished()
+    return os.path.join(os.path.abspath(os.fspath(directory)), ORBAX_SUBDIR)
 
 
 def restore_orbax(directory: str | os.PathLike, abstract_tree_for):
@@ -326,17 +378,20 @@ def write_safetensors(tensors: Mapping[str, np.ndarray], directory: str, max_sha
 
 
 def save_hf(params: Mapping[str, np.ndarray], config: Qwen3VLConfig, directory: str | os.PathLike, *,
-            dtype: str | None = None, max_shard_bytes: int | None = None) -> str:
-    """Write an HF checkpoint directory (config.json + safetensors, sharded when asked) HF loads."""
-    directory = os.fspath(directory)
-    os.makedirs(directory, exist_ok=True)
+            dtype: str | None = None, max_shard_bytes: int | None = None, overwrite: bool = False) -> str:
+    """Write an HF checkpoint directory (config.json + safetensors, sharded when asked) HF loads.
+
+    Written through `atomic_directory`: a non-empty `directory` (e.g. an earlier sharded export, whose index would otherwise still be
+    read) is refused unless `overwrite`, which replaces it whole.
+    """
     tensors = export_hf_tensors(params, config)
     if dtype is not None:
         np_dtype = storage_dtype(dtype)
         tensors = {k: v.astype(np_dtype) for k, v in tensors.items()}
-    write_safetensors(tensors, directory, max_shard_bytes)
     hf_config = config.to_hf_dict()
     hf_config["dtype"] = dtype or str(np.dtype(next(iter(tensors.values())).dtype))
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=2)
-    return directory
+    with atomic_directory(directory, overwrite=overwrite) as tmp:
+        write_safetensors(tensors, tmp, max_shard_bytes)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=2)
+    return os.fspath(directory)

@@ -6,11 +6,58 @@ rounding (different summation orders, transcendental implementations), never a n
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+
 import jax
 import numpy as np
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# The torch-free lane (`QWEN3VL_JAX_LANE=torch-free`, run by .ci/run on the newest jax, where the
+# HF torch reference is not installed). A test file that imports torch at module level, or uses
+# torch / the HF reference anywhere without marking its torch tests `needs_torch`, is not
+# collected; in a file that marks them, those tests (and any using the HF reference fixtures) are
+# deselected. The summary lists all of them, so nothing is counted as a pass or a skip. In the
+# default lane nothing is left out: a missing torch is an error there.
+TORCH_FREE_LANE = os.environ.get("QWEN3VL_JAX_LANE") == "torch-free"
+_MODULE_IMPORTS_TORCH = re.compile(r"^(import torch|from torch|import torchvision)", re.M)
+_USES_TORCH = re.compile(r"^\s*(import torch|from torch)|\bhf_model\b|\bhf_processor\b|AutoProcessor|"
+                         r"Qwen3VLForConditionalGeneration|Qwen2VLImageProcessorPil", re.M)
+_TORCH_FIXTURES = {"hf_model", "hf_processor"}
+_left_out: set[str] = set()  # pytest may ask about a file more than once
+
+
+def pytest_ignore_collect(collection_path, config):
+    if TORCH_FREE_LANE and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        text = collection_path.read_text()
+        if _MODULE_IMPORTS_TORCH.search(text) or (_USES_TORCH.search(text) and "needs_torch" not in text):
+            _left_out.add(f"{collection_path.name} (needs torch)")
+            return True
+    return None
+
+
+def _needs_torch(item) -> bool:
+    return item.get_closest_marker("needs_torch") is not None or bool(_TORCH_FIXTURES & set(item.fixturenames))
+
+
+def pytest_collection_modifyitems(config, items):
+    if not TORCH_FREE_LANE:
+        return
+    dropped = [item for item in items if _needs_torch(item)]
+    _left_out.update(f"{item.nodeid} (needs torch)" for item in dropped)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if not _needs_torch(item)]
+
+
+def pytest_terminal_summary(terminalreporter):
+    if TORCH_FREE_LANE:
+        terminalreporter.write_sep("=", f"torch-free lane: {len(_left_out)} left out (not run, not passed)")
+        for line in sorted(_left_out):
+            terminalreporter.write_line(line)
 
 # One tolerance table for every parity check: name -> (atol, rtol) applied as
 # |ours - ref| <= atol + rtol * |ref|.
@@ -37,6 +84,21 @@ def assert_close(ours, ref, kind: str, what: str = "") -> float:
         f"(ours {ours[worst]:.6g}, ref {ref[worst]:.6g})"
     )
     return float(diff.max()) if diff.size else 0.0
+
+
+@contextlib.contextmanager
+def gpu_lowering_target():
+    """Around `jax.export(..., platforms=["cuda"])` of Pallas Triton kernels on a machine without a
+    GPU: on jax >= 0.11 lowering needs an abstract GPU device to lower for (an H100, sm_90: the
+    target jax 0.10 falls back to by itself); on jax 0.10 nothing is needed."""
+    if jax.__version_info__ < (0, 11, 0):
+        yield
+        return
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
+        yield
 
 
 def random_image(h: int, w: int, seed: int):

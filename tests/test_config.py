@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
-import torch
 from transformers import Qwen3VLConfig as HFConfig
 from transformers import Qwen3VLForConditionalGeneration
 
@@ -94,9 +94,12 @@ def test_preset_lookup():
         preset("3b")
 
 
+@pytest.mark.needs_torch
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_full_size_parameter_count(name):
     """Abstract build (no allocation) counts exactly what HF's model has for the same config."""
+    import torch  # the test extra installs it; a missing reference is a failure, not a skip
+
     cfg = PRESETS[name]
     ours = count_params(Qwen3VL.abstract(cfg))
     with torch.device("meta"):
@@ -104,3 +107,39 @@ def test_full_size_parameter_count(name):
     assert ours == sum(p.numel() for p in hf.parameters())
     low, high = PUBLISHED_BILLIONS[name]
     assert low * 1e9 < ours < high * 1e9
+
+
+@pytest.mark.parametrize("path, value", [
+    (("tie_word_embeddings",), "false"),   # Python reads "false" as true: lm_head would be dropped
+    (("text_config", "hidden_size"), "64"),
+    (("text_config", "hidden_size"), 64.0),
+    (("text_config", "rms_norm_eps"), "1e-6"),
+    (("vision_config", "depth"), True),
+    (("image_token_id",), "5"),
+    (("vision_config", "deepstack_visual_indexes"), ["0"]),
+])
+def test_wrongly_typed_values_are_refused_at_load_as_hf_refuses_them(tiny_dir, tmp_path, path, value):
+    from transformers import AutoConfig
+
+    with open(os.path.join(tiny_dir, "config.json")) as f:
+        config = json.load(f)
+    node = config
+    for key in path[:-1]:
+        node = node[key]
+    assert path[-1] in node
+    node[path[-1]] = value
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match=path[-1]):  # HF's StrictDataclassFieldValidationError
+        AutoConfig.from_pretrained(bad)
+    with pytest.raises(ConfigError) as e:
+        Qwen3VLConfig.from_hf_config(bad)
+    message = str(e.value)
+    assert ".".join(path) in message and repr(value) in message and str(bad / "config.json") in message
+
+
+def test_corrupt_config_json_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_vl", ')
+    with pytest.raises(ConfigError, match=rf"{tmp_path / 'config.json'} is not valid JSON"):
+        Qwen3VLConfig.from_hf_config(tmp_path)

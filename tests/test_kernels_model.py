@@ -14,13 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_close, gpu_lowering_target
 from flax import nnx
 from jax import export
 
 from pallas_kernels import _dispatch
 from qwen3vl_jax import Qwen3VL
 from qwen3vl_jax.model import causal_padding_mask
+
+# Lowering the Triton kernels on purpose: the Pallas Triton backend's deprecation warning (jax >= 0.11)
+# is silenced here only (see tests/test_kernels_lowering.py for why we keep Triton).
+TRITON_LOWERING = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 GRID = np.array([[1, 8, 12], [2, 4, 4], [1, 2, 6]])  # uneven images, a 2-slice video, a tiny image
 
@@ -108,10 +112,11 @@ def test_traced_vision_tower_contains_the_kernels(pallas_model):
     assert "interpolate_pos_embed" in jaxpr
 
 
+@TRITON_LOWERING
 def test_vision_tower_lowered_for_cuda_contains_the_triton_kernels(pallas_model):
     run, pixels = _vision_fn(pallas_model, GRID)
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    with _dispatch.lowering_for_gpu():
+    with _dispatch.lowering_for_gpu(), gpu_lowering_target():
         module = export.export(jax.jit(run), platforms=["cuda"], disabled_checks=checks)(pixels).mlir_module()
     calls = module.count("stablehlo.custom_call @__gpu$xla.gpu.triton")
     # one flash call per block (the blocks may share one outlined function) + the pos-embed kernel
@@ -119,6 +124,7 @@ def test_vision_tower_lowered_for_cuda_contains_the_triton_kernels(pallas_model)
     assert "flash_attention" in module and "interpolate_pos_embed" in module
 
 
+@TRITON_LOWERING
 def test_language_model_lowered_for_cuda_contains_the_triton_kernels(pallas_model):
     """The tiny LM's prefill (the model's causal description of left-padded rows),
     exported for CUDA, runs its attention in the Triton flash kernel. (The decode routing, L == 1
@@ -134,7 +140,7 @@ def test_language_model_lowered_for_cuda_contains_the_triton_kernels(pallas_mode
 
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     spec = jax.ShapeDtypeStruct
-    with _dispatch.lowering_for_gpu():
+    with _dispatch.lowering_for_gpu(), gpu_lowering_target():
         module = export.export(jax.jit(prefill), platforms=["cuda"], disabled_checks=checks)(
             spec((b, length, cfg.hidden_size), jnp.float32), spec((3, b, length), jnp.int32),
             spec((b, length), jnp.bool_)).mlir_module()

@@ -410,8 +410,8 @@ def test_normalize_fast_path_is_the_lookup_table(ours, monkeypatch):
     video = rand_video(5, 40, 60, seed=1)
     fast_i = ours.image_processor(images)["pixel_values"]
     fast_v = ours.video_processor([video])["pixel_values_videos"]
-    assert processing._affine_path(ours.image_processor.config) is not None
-    monkeypatch.setattr(processing, "_affine_path", lambda config: None)
+    assert processing.image._affine_path(ours.image_processor.config) is not None
+    monkeypatch.setattr(processing.image, "_affine_path", lambda config: None)
     np.testing.assert_array_equal(fast_i, ours.image_processor(images)["pixel_values"])
     np.testing.assert_array_equal(fast_v, ours.video_processor([video])["pixel_values_videos"])
     # threads do not change anything either
@@ -512,7 +512,8 @@ def test_chat_template(hf, ours, tmp_path):
     # tokenize=True processes the parts' payloads, as HF does
     a = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
                                return_tensors="np")
-    b = ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_tensors="np")
+    b = ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                 return_tensors="np")
     assert_same_text(a, b)
     for key in ("image_grid_thw", "video_grid_thw"):
         np.testing.assert_array_equal(a[key], b[key])
@@ -686,3 +687,254 @@ def test_no_torch_at_run_time(ckpt, tmp_path):
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code, str(ckpt), str(path)], check=True, cwd=root)
+
+
+# ----------------------------------------------------------------------------------------------
+# HF 5.x keyword semantics, each compared with HF's processor on the same input
+
+
+def assert_same_grids(a, b, *keys):
+    for key in keys:
+        np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
+
+
+def test_keyword_groups_are_hfs():
+    """Our groups hold exactly the keys of HF's TypedDicts for this processor (plus num_threads)."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessorKwargs
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessorInitKwargs
+    from transformers.processing_utils import ImagesKwargs, TextKwargs, VideosKwargs
+
+    from qwen3vl_jax.processing.image import IMAGE_KEYS
+    from qwen3vl_jax.processing.prompt import TEXT_KEYS
+    from qwen3vl_jax.processing.video import VIDEO_KEYS
+
+    assert TEXT_KEYS == set(TextKwargs.__annotations__)
+    assert IMAGE_KEYS - {"num_threads"} == set(ImagesKwargs.__annotations__) | set(
+        Qwen2VLImageProcessorKwargs.__annotations__)
+    assert VIDEO_KEYS - {"num_threads"} == set(VideosKwargs.__annotations__) | set(
+        Qwen3VLVideoProcessorInitKwargs.__annotations__)
+
+
+def test_call_time_min_max_pixels_resize_images_only(hf, ours):
+    image, video = rand_image(300, 420, seed=11), rand_video(8, 90, 120, seed=11)
+    meta = [{"fps": 4.0, "total_num_frames": 8}]
+    text = f"{IMG}{VID}"
+    base = ours(text=text, images=[image], videos=[video], video_metadata=meta, return_tensors="np")
+    for kw in ({"max_pixels": 64 * 64}, {"min_pixels": 400 * 400}, {"images_kwargs": {"max_pixels": 64 * 64}}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # HF deprecates call-time min/max_pixels
+            a = hf(text=text, images=[image], videos=[video], video_metadata=meta, return_tensors="np", **kw)
+        b = ours(text=text, images=[image], videos=[video], video_metadata=meta, return_tensors="np", **kw)
+        assert_same_text(a, b)
+        assert_same_grids(a, b, "image_grid_thw", "video_grid_thw")
+        assert b["image_grid_thw"].tolist() != base["image_grid_thw"].tolist(), kw
+        assert b["video_grid_thw"].tolist() == base["video_grid_thw"].tolist(), kw  # videos untouched
+
+
+def test_call_time_min_max_frames_are_ignored_as_in_hf(hf, ours):
+    """HF 5.x samples with the processor's own min_frames / max_frames / max_video_tokens (its
+    config); at call time they are accepted and change nothing. Set them at from_pretrained."""
+    video = rand_video(21, 40, 56, seed=12)
+    meta = [{"fps": 7.0, "total_num_frames": 21}]
+    base = ours(text=VID, videos=[video], video_metadata=meta, return_tensors="np")
+    for kw in ({"min_frames": 12}, {"max_frames": 2}, {"videos_kwargs": {"min_frames": 12}},
+               {"cap_pixels_per_frame": True, "max_video_tokens": 2}):
+        a = hf(text=VID, videos=[video], video_metadata=meta, return_tensors="np", return_metadata=True, **kw)
+        b = ours(text=VID, videos=[video], video_metadata=meta, return_tensors="np", **kw)
+        assert_same_text(a, b)
+        assert_same_grids(a, b, "video_grid_thw")
+        assert b["video_timestamps"] == hf_timestamps(hf, a)
+        if "cap_pixels_per_frame" not in kw:
+            assert_same_text(base, b)
+
+
+def test_from_pretrained_frame_limits_are_honoured(ckpt, ours):
+    from transformers import AutoProcessor
+
+    video = rand_video(21, 40, 56, seed=12)
+    meta = [{"fps": 7.0, "total_num_frames": 21}]
+    a = AutoProcessor.from_pretrained(ckpt, min_frames=12)(text=VID, videos=[video], video_metadata=meta,
+                                                           return_tensors="np")
+    b = Qwen3VLProcessor.from_pretrained(ckpt, videos_kwargs={"min_frames": 12})(
+        text=VID, videos=[video], video_metadata=meta, return_tensors="np")
+    assert_same_text(a, b)
+    assert b["video_grid_thw"][0, 0] == 6  # 12 frames sampled, not the 4 of 3 s at 2 fps (fps clamped up)
+
+
+def test_conflicting_and_unknown_keywords_raise_as_in_hf(hf, ours):
+    image, video = rand_image(60, 80, seed=13), rand_video(4, 40, 40, seed=13)
+    cases = [
+        (ValueError, "passed two times", dict(text=IMG, images=[image], do_rescale=True,
+                                              images_kwargs={"do_rescale": True})),
+        (ValueError, "passed two times", dict(text="hi", return_tensors="np", text_kwargs={"return_tensors": "np"})),
+        (ValueError, "must contain 'shortest_edge' and 'longest_edge'",
+         dict(text=IMG, images=[image], size={"longest_edge": 64 * 64})),
+        (ValueError, "must contain 'shortest_edge' and 'longest_edge'",
+         dict(text=VID, videos=[video], size={"longest_edge": 64 * 64 * 8})),
+        (ValueError, "must contain 'shortest_edge' and 'longest_edge'",
+         dict(text=IMG, images=[image], size={"min_pixels": 64 * 64, "max_pixels": 128 * 128})),
+        (TypeError, "max_pixels", dict(text=VID, videos=[video], videos_kwargs={"max_pixels": 64 * 64})),
+        (TypeError, "fps", dict(text=IMG, images=[image], images_kwargs={"fps": 2})),
+    ]
+    for error, message, kw in cases:
+        with pytest.raises(error, match=message):
+            hf(**kw)
+        with pytest.raises(error, match=message):
+            ours(**kw)
+
+
+def test_text_and_common_kwargs_and_max_length_as_in_hf(hf, ours):
+    image = rand_image(60, 80, seed=14)
+    texts = [f"{IMG} one two three", "a"]
+    cases = [
+        dict(text_kwargs={"padding": "max_length", "max_length": 40}),
+        dict(padding="max_length", max_length=40, padding_side="left"),
+        dict(padding=True, pad_to_multiple_of=8),
+        dict(common_kwargs={"return_tensors": "np"}, padding=True),
+        dict(padding=True, max_length=3),  # max_length without truncation: no effect
+    ]
+    for kw in cases:
+        kw = {"return_tensors": "np", **kw} if "common_kwargs" not in kw else kw
+        a = hf(text=texts, images=[image], **kw)
+        b = ours(text=texts, images=[image], **kw)
+        assert_same_text(a, b)
+        assert isinstance(b["input_ids"], np.ndarray)
+    # truncation without a placeholder in the way, and into one (HF's refusal)
+    a = hf(text=["one two three four five six"], truncation=True, max_length=3, return_tensors="np")
+    b = ours(text=["one two three four five six"], truncation=True, max_length=3, return_tensors="np")
+    assert_same_text(a, b)
+    assert b["input_ids"].shape == (1, 3)
+    for proc in (hf, ours):
+        with pytest.raises(ValueError, match="Mismatch in `image` token count"):
+            proc(text=[texts[0]], images=[image], truncation=True, max_length=4)
+
+
+def test_nested_video_metadata_as_in_hf(hf, ours):
+    videos = [rand_video(9, 40, 40, seed=15), rand_video(6, 40, 40, seed=16)]
+    metas = [[{"fps": 3.0, "total_num_frames": 9}], [{"fps": 2.0, "total_num_frames": 6}]]
+    a = hf(text=[VID, VID], videos=videos, video_metadata=metas, return_tensors="np", return_metadata=True)
+    b = ours(text=[VID, VID], videos=videos, video_metadata=metas, return_tensors="np")
+    assert_same_text(a, b)
+    assert_same_grids(a, b, "video_grid_thw")
+    assert b["video_timestamps"] == hf_timestamps(hf, a)
+
+
+def test_chat_template_tokenize_as_in_hf(hf, ours):
+    image, video = rand_image(64, 96, seed=17), rand_video(8, 40, 40, seed=17)
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "video", "video": video},
+                                             {"type": "text", "text": "What is this?"}]}]
+    meta = [{"fps": 4.0, "total_num_frames": 8}]
+    # without return_dict: the token ids (lists, or an array with return_tensors)
+    a = hf.apply_chat_template(messages, tokenize=True, video_metadata=meta)
+    b = ours.apply_chat_template(messages, tokenize=True, video_metadata=meta)
+    assert a == b and isinstance(b, list)
+    a = hf.apply_chat_template(messages, tokenize=True, video_metadata=meta, return_tensors="np")
+    b = ours.apply_chat_template(messages, tokenize=True, video_metadata=meta, return_tensors="np")
+    np.testing.assert_array_equal(a, b)
+    # every processor keyword is forwarded (none becomes a template variable)
+    for kw in (dict(padding="max_length", max_length=120), dict(max_pixels=64 * 64),
+               dict(processor_kwargs={"max_pixels": 64 * 64}), dict(fps=1.0), dict(size={"shortest_edge": 32 * 32,
+                                                                                       "longest_edge": 64 * 64})):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            a = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="np",
+                                       video_metadata=meta, **kw)
+        b = ours.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="np",
+                                     video_metadata=meta, **kw)
+        assert_same_text(a, b)
+        assert_same_grids(a, b, "image_grid_thw", "video_grid_thw")
+    for proc in (hf, ours):
+        with pytest.raises(ValueError, match="Mismatch in `(image|video)` token count"):
+            proc.apply_chat_template(messages, tokenize=True, video_metadata=meta, truncation=True, max_length=10)
+    # our own keywords reach the call too: the pruned prompt equals the direct call's
+    prompt = ours.apply_chat_template(messages)
+    direct = ours(text=prompt, images=[image], videos=[video], video_metadata=meta, video_pruning=("evs", 0.5),
+                  return_tensors="np")
+    chat = ours.apply_chat_template(messages, tokenize=True, return_dict=True, video_metadata=meta,
+                                    video_pruning=("evs", 0.5), return_tensors="np")
+    assert_same_text(direct, chat)
+    assert (chat["mm_token_type_ids"] == 2).sum() < int(chat["video_grid_thw"].prod()) // 4
+
+
+def test_continue_final_message_as_in_hf(hf, ours):
+    user = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
+    for last in ({"role": "assistant", "content": [{"type": "text", "text": "Hello the"}]},
+                 {"role": "assistant", "content": "Hello the "}):
+        a = hf.apply_chat_template([user, last], continue_final_message=True)
+        b = ours.apply_chat_template([user, last], continue_final_message=True)
+        assert a == b and b.endswith("Hello the" + (" " if isinstance(last["content"], str) else ""))
+        assert ours.apply_chat_template([user, last]) == hf.apply_chat_template([user, last])
+        for proc in (hf, ours):
+            with pytest.raises(ValueError, match="not compatible"):
+                proc.apply_chat_template([user, last], continue_final_message=True, add_generation_prompt=True)
+
+
+def test_video_of_frame_files_as_in_hf(hf, ours, tmp_path):
+    frames = rand_video(4, 48, 64, seed=18)
+    paths = []
+    for i, frame in enumerate(frames):
+        paths.append(str(tmp_path / f"frame{i}.png"))
+        Image.fromarray(frame).save(paths[-1])
+    messages = [{"role": "user", "content": [{"type": "video", "url": paths}, {"type": "text", "text": "hi"}]}]
+    a = hf.apply_chat_template(messages, tokenize=True, return_dict=True, do_sample_frames=False,
+                               return_tensors="np")
+    b = ours.apply_chat_template(messages, tokenize=True, return_dict=True, do_sample_frames=False,
+                                 return_tensors="np")
+    assert_same_text(a, b)
+    assert_same_grids(a, b, "video_grid_thw")
+    assert len(b["video_grid_thw"]) == 1 and b["video_grid_thw"][0, 0] == 2  # one video of 4 frames
+    assert_resampling_noise(a["pixel_values_videos"], b["pixel_values_videos"], "frame files")
+    for proc in (hf, ours):  # sampling frames from files is HF's refusal
+        with pytest.raises(ValueError, match="Sampling frames from a list of images is not supported"):
+            proc.apply_chat_template(messages, tokenize=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input at the processor's boundary
+
+
+def test_16_bit_images_are_scaled_not_clipped(hf_pil, ours, tmp_path):
+    """A 16-bit grayscale PNG (PIL mode I;16, or as a path) equals its 8-bit version (v * 255 / 65535,
+    rounded) in HF's PIL processor. HF itself clips the 16-bit levels at 255: nearly white."""
+    levels = np.linspace(0, 65535, 40 * 56).reshape(40, 56).astype(np.uint16)
+    image16 = Image.fromarray(levels)
+    assert image16.mode == "I;16"
+    path = tmp_path / "deep.png"
+    image16.save(path)
+    assert Image.open(path).mode in ("I;16", "I")
+    eight = Image.fromarray(np.round(levels * (255 / 65535)).astype(np.uint8))
+    want = hf_pil(images=[eight], return_tensors="np")["pixel_values"]
+    for given in (image16, str(path), levels):
+        np.testing.assert_array_equal(ours.image_processor([given])["pixel_values"], want)
+    clipped = hf_pil(images=[image16], return_tensors="np")["pixel_values"]
+    assert clipped.mean() > 0.95 > abs(want.mean())  # what HF gives: nearly white
+
+
+@pytest.mark.parametrize("fps", [0, float("nan"), -3.0, float("inf"), "30"])
+def test_bad_fps_in_video_metadata_names_the_video(ours, fps):
+    video = rand_video(6, 40, 40, seed=19)
+    metas = [{"fps": 3.0, "total_num_frames": 6}, {"fps": fps, "total_num_frames": 6}]
+    with pytest.raises(ValueError, match=r"video_metadata\[1\]: fps must be a positive finite number"):
+        ours(text=VID + VID, videos=[video, video], video_metadata=metas)
+
+
+def test_empty_text_is_refused(hf, ours):
+    for text, message in (("", r"text\[0\] is empty"), (["hi", ""], r"text\[1\] is empty"), ([], "empty list")):
+        with pytest.raises(ValueError, match=message):
+            ours(text=text)
+    assert hf(text="")["input_ids"] == [[]]  # HF returns a prompt no model can run
+
+
+def test_corrupt_processor_json_names_the_file(ckpt, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    (bad / "preprocessor_config.json").write_text('{"patch_size": 16,')
+    with pytest.raises(ValueError, match=rf"{bad / 'preprocessor_config.json'} is not valid JSON"):
+        Qwen3VLProcessor.from_pretrained(bad)
+    shutil.copy(os.path.join(ckpt, "preprocessor_config.json"), bad)
+    text = (bad / "tokenizer.json").read_text()
+    (bad / "tokenizer.json").write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=rf"{bad / 'tokenizer.json'}: cannot read the tokenizer"):
+        Qwen3VLProcessor.from_pretrained(bad)
