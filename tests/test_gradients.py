@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from conftest import hf_processor_batch, user_prompt
 from flax import nnx
 
@@ -116,6 +115,8 @@ def _probe(batch, vocab):
 
 @pytest.fixture(scope="module")
 def torch_grads(batch, hf_model):
+    import torch
+
     probe = torch.from_numpy(_probe(batch, hf_model.config.text_config.vocab_size))
     hf_model.zero_grad(set_to_none=True)
     (hf_model(**batch).logits * probe).sum().backward()
@@ -124,6 +125,7 @@ def torch_grads(batch, hf_model):
     return grads
 
 
+@pytest.mark.needs_torch
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
 def test_model_gradients_equal_torch_autograd(implementation, tiny_dir, batch, torch_grads):
     model = Qwen3VL.from_pretrained(tiny_dir, attention_implementation=implementation)
@@ -140,6 +142,7 @@ def test_model_gradients_equal_torch_autograd(implementation, tiny_dir, batch, t
     print(f"\n[gradients] {implementation}: {len(ours)} tensors, worst |diff| / max|ref| {worst:.2e}")
 
 
+@pytest.mark.needs_torch
 def test_prepared_inputs_give_the_vision_tower_gradients(tiny_dir, batch, jax_model):
     """`prepare_inputs(encode=False)` outside, `forward` inside the transformation: the same gradients
     as differentiating `model(...)` (the vision tower is encoded inside the differentiated function)."""
@@ -169,7 +172,7 @@ def _arrays_in(jaxpr):
                     yield from _arrays_in(inner)
 
 
-def test_no_dense_mask_on_the_default_path(jax_model, hf_processor):
+def test_no_dense_mask_on_the_default_path(jax_model):
     """The model's forward (the default "auto" path: the jnp spec on a CPU) never holds an `[.., L, L]`
     array: no dense mask, no full score matrix. L = 37 is no block size."""
     ids = np.random.default_rng(4).integers(10, 400, (2, 37))

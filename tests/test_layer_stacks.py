@@ -11,15 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, hf_processor_batch, user_prompt
+from conftest import assert_close, random_image, random_video, user_prompt
 from flax import nnx
 from safetensors.numpy import load_file
 
 from qwen3vl_jax import Qwen3VL
 from qwen3vl_jax.model import MODEL_INPUTS, canonical_params, count_params
-
-CASE = dict(prompts=[user_prompt("image", "video", "both"), user_prompt("Short.")], images=[(64, 64)],
-            videos=[(4, 64, 64, 2.0)])
+from qwen3vl_jax.processing import Qwen3VLProcessor
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +26,16 @@ def scanned(tiny_dir):
 
 
 @pytest.fixture(scope="module")
-def inputs(hf_processor):
-    batch = hf_processor_batch(hf_processor, CASE)
-    return {k: v.numpy() for k, v in batch.items() if k in MODEL_INPUTS}
+def inputs(tiny_dir):
+    """Images + video + left padding, from our processor (this file runs in the torch-free lane too)."""
+    processor = Qwen3VLProcessor.from_pretrained(tiny_dir)
+    prompts = [user_prompt("image", "video", "both"), user_prompt("Short.")]
+    texts = [processor.apply_chat_template(p, add_generation_prompt=True) for p in prompts]
+    batch = processor(text=texts, images=[random_image(64, 64, 0)], videos=[random_video(4, 64, 64, 1)],
+                      video_metadata=[{"fps": 2.0, "total_num_frames": 4}], padding=True, padding_side="left",
+                      return_tensors="np")
+    assert not batch["attention_mask"].all()  # row 1 is left-padded
+    return {k: batch[k] for k in MODEL_INPUTS if k in batch}
 
 
 def test_layouts_hold_the_same_parameters(scanned, jax_model):
