@@ -108,16 +108,24 @@ class Trainer:
       max_vision_tokens: merged vision tokens per micro-batch the pixels are padded to (default:
         the batch's `batch_size * vision bucket` when the batch carries a `bucket`, else the real count
         rounded up to a power of two).
+      seed: the dropout keys (LoRA dropout) of micro-batch k of update s are `fold_in(fold_in(seed,
+        s), k)`: a pure function of the step, so a resumed run draws the same masks.
     """
 
     def __init__(self, model, config: OptimConfig, *, trainable=None, chunk_size: int = 1024,
-                 max_vision_tokens: int | None = None):
+                 max_vision_tokens: int | None = None, seed: int = 0):
         self.model = model
         self.config = config
         self.chunk_size = chunk_size
         self.max_vision_tokens = max_vision_tokens
         self.trainable = trainable if trainable is not None else trainable_filter(config.freeze)
-        self.graphdef, self.params, self.rest = nnx.split(model, self.trainable, ...)
+        from .lora import LoRAKey, set_lora_training
+
+        # The step's graph has LoRA dropout on; the caller's model is left in evaluation mode.
+        set_lora_training(model, True)
+        self.graphdef, self.params, self.keys, self.rest = nnx.split(model, self.trainable, LoRAKey, ...)
+        set_lora_training(model, False)
+        self.seed = seed
         if not jax.tree.leaves(self.params):
             raise ValueError("no trainable parameters: the filter selects nothing")
         self.tx = build_optimizer(dataclasses.replace(config, grad_accum_steps=1))
@@ -167,10 +175,12 @@ class Trainer:
         grads = _zeros_like(nnx.to_pure_dict(self.params))
         total = jnp.zeros((), jnp.float32)
         count = jnp.zeros((), jnp.int32)
-        for batch in micro_batches:
+        base = jax.random.fold_in(jax.random.key(self.seed), self.step_count)
+        for k, batch in enumerate(micro_batches):
             inputs, labels = self.prepare(batch)
-            grads, total, count = self._grad((grads, total, count), nnx.to_pure_dict(self.params), self.rest,
-                                             inputs, labels)
+            grads, total, count = self._grad((grads, total, count), nnx.to_pure_dict(self.params),
+                                             nnx.to_pure_dict(self.keys), self.rest, inputs, labels,
+                                             jax.random.fold_in(base, k))
         return grads, total, count
 
     def gradients(self, micro_batches):
@@ -200,12 +210,24 @@ class Trainer:
                 "grad_norm": float(norm), "seconds": time.perf_counter() - start}
 
 
-def _micro_step(graphdef, chunk_size, acc, params, rest, inputs, labels):
+def _fresh_keys(keys, rng):
+    """New raw key data for every LoRA dropout key (one per module, per block when stacked)."""
+    leaves, treedef = jax.tree_util.tree_flatten(keys)
+    fresh = []
+    for i, leaf in enumerate(leaves):
+        count = int(np.prod(leaf.shape[:-1]))
+        data = jax.random.key_data(jax.random.split(jax.random.fold_in(rng, i), count))
+        fresh.append(data.reshape(leaf.shape).astype(leaf.dtype))
+    return jax.tree_util.tree_unflatten(treedef, fresh)
+
+
+def _micro_step(graphdef, chunk_size, acc, params, keys, rest, inputs, labels, rng):
     """Add this micro-batch's gradient of the summed token losses, its loss sum and token count."""
     COMPILE_COUNTS["grad"] += 1
+    keys = nnx.State(_fresh_keys(keys, rng))
 
     def summed_loss(params):
-        model = nnx.merge(graphdef, nnx.State(params), rest)
+        model = nnx.merge(graphdef, nnx.State(params), keys, rest)
         hidden = model.forward_hidden(inputs).hidden
         total, n = chunked_cross_entropy(hidden, shift_labels(labels), model.logits, chunk_size)
         return total, n
