@@ -83,3 +83,24 @@ def _paths(state) -> list[str]:
     from qwen3vl_jax.training.optim import param_path
 
     return [param_path(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]]
+
+
+def test_lora_steps_train_only_the_adapters(tiny_dir, batch):
+    """With dropout on: the loss of the batch falls, the base weights do not move, and evaluation
+    (dropout off) is deterministic."""
+    from qwen3vl_jax.model import canonical_params
+    from qwen3vl_jax.training.lora import LoRAConfig, LoRAWeight, add_lora
+
+    model = Qwen3VL.from_pretrained(tiny_dir)
+    add_lora(model, LoRAConfig(rank=4, alpha=8.0, dropout=0.1))
+    base = {k: np.asarray(v) for k, v in canonical_params(model).items()}
+    trainer = Trainer(model, OptimConfig(learning_rate=1e-2, total_steps=100), trainable=LoRAWeight)
+    assert all(".lora_" in p for p in _paths(trainer.params))
+    before = float(causal_lm_loss(model, batch))
+    assert float(causal_lm_loss(model, batch)) == before
+    losses = [trainer.step([batch])["loss"] for _ in range(4)]
+    after = float(causal_lm_loss(model, batch))
+    print(f"LoRA: eval loss {before:.4f} -> {after:.4f}; train losses {losses}")
+    assert after < before - 0.05
+    for k, v in canonical_params(model).items():
+        np.testing.assert_array_equal(np.asarray(v), base[k], err_msg=k)
