@@ -140,7 +140,7 @@ class Trainer:
     def state(self) -> dict[str, Any]:
         """The trainable parameters (pure dict), the optimizer state and the step (for checkpoints)."""
         return {"params": nnx.to_pure_dict(self.params), "opt_state": self.opt_state,
-                "step": np.int64(self.step_count)}
+                "step": jnp.asarray(self.step_count, jnp.int32)}
 
     def load_state(self, state: dict[str, Any]) -> None:
         nnx.replace_by_pure_dict(self.params, state["params"])
