@@ -12,7 +12,7 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.
 
 
 def test_there_are_notebooks():
-    assert [p.stem for p in NOTEBOOKS] == ["01_quickstart", "02_pruning", "03_parity"]
+    assert [p.stem for p in NOTEBOOKS] == ["01_quickstart", "02_pruning", "03_parity", "04_finetune"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
