@@ -104,3 +104,24 @@ def test_lora_steps_train_only_the_adapters(tiny_dir, batch):
     assert after < before - 0.05
     for k, v in canonical_params(model).items():
         np.testing.assert_array_equal(np.asarray(v), base[k], err_msg=k)
+
+
+def test_remat_and_bf16_compute_with_f32_master_weights(tiny_dir, batch):
+    """`remat` changes memory, not numbers; bf16 compute keeps f32 parameters, gradients and optimizer
+    state, with a loss near the f32 one."""
+    import jax.numpy as jnp
+
+    flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])  # noqa: E731
+    config = OptimConfig(learning_rate=1e-3, freeze=("vision",))
+    loss, grads = Trainer(Qwen3VL.from_pretrained(tiny_dir), config).gradients([batch])
+    remat_loss, remat_grads = Trainer(Qwen3VL.from_pretrained(tiny_dir, remat=True), config).gradients([batch])
+    assert remat_loss == pytest.approx(loss, rel=1e-6)
+    assert_close(flat(remat_grads), flat(grads), "f32_logits", "remat gradients")
+
+    mixed = Qwen3VL.from_pretrained(tiny_dir, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    trainer = Trainer(mixed, config)
+    bf16_loss, bf16_grads = trainer.gradients([batch])
+    assert {x.dtype for x in jax.tree.leaves(bf16_grads)} == {np.dtype(np.float32)}
+    assert bf16_loss == pytest.approx(loss, rel=0.02)
+    trainer.step([batch])
+    assert {x.dtype for x in jax.tree.leaves(trainer.state())} <= {np.dtype(np.float32), np.dtype(np.int32)}
