@@ -42,8 +42,9 @@ from flax import nnx
 
 from ..convert import hf_to_ours_name, ours_to_hf_name
 
-__all__ = ["LoRAConfig", "LoRALinear", "LoRAWeight", "LoRAKey", "LANGUAGE_TARGETS", "VISION_TARGETS", "add_lora",
-           "lora_modules", "save_adapter", "load_adapter", "merged_params", "export_merged", "set_lora_training"]
+__all__ = ["LoRAConfig", "LoRALinear", "LoRAWeight", "LoRAKey", "LANGUAGE_TARGETS", "VISION_TARGETS",
+           "add_lora", "lora_modules", "save_adapter", "load_adapter", "merged_params", "export_merged",
+           "set_lora_training"]
 
 LANGUAGE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """PEFT's usual targets: every projection of the language model's attention and MLP."""
@@ -100,7 +101,8 @@ class LoRALinear(nnx.Linear):
         dtype = base.kernel.dtype
         # PEFT's init: A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0.
         bound = 1.0 / math.sqrt(fan_in)
-        self.lora_a = LoRAWeight(jax.random.uniform(rngs.params(), (*stack, fan_in, rank), dtype, -bound, bound))
+        self.lora_a = LoRAWeight(
+            jax.random.uniform(rngs.params(), (*stack, fan_in, rank), dtype, -bound, bound))
         self.lora_b = LoRAWeight(jnp.zeros((*stack, rank, fan_out), dtype))
         self.lora_scale = float(scale)
         self.lora_dropout = float(dropout)

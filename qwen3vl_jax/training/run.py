@@ -59,7 +59,8 @@ class RunCheckpoints:
         ocp = self._ocp
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, trainer.state())
         out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore(),
+            meta=ocp.args.JsonRestore()))
         meta = out["meta"]
         expected = {"seed": int(seed), "grad_accum_steps": int(trainer.config.grad_accum_steps)}
         if meta != expected:
@@ -157,7 +158,8 @@ def plot_losses(metrics_path: str | os.PathLike, png_path: str | os.PathLike) ->
 
 
 def finetune(*, model: str, data: str, out: str, lora_rank: int = 0, lora_alpha: float | None = None,
-             lora_dropout: float = 0.0, lora_vision: bool = False, freeze: str = "", learning_rate: float = 1e-4,
+             lora_dropout: float = 0.0, lora_vision: bool = False, freeze: str = "",
+             learning_rate: float = 1e-4,
              warmup_steps: int = 0, steps: int = 100, batch_size: int = 1, grad_accum: int = 1,
              max_length: int = 2048, remat: bool = False, dtype: str = "float32", resume: bool = False,
              seed: int = 0, save_every: int = 50, keep: int = 3, strict: bool = False,
@@ -183,10 +185,11 @@ def finetune(*, model: str, data: str, out: str, lora_rank: int = 0, lora_alpha:
             raise ValueError(f"--freeze: unknown part {part!r}; the parts are {', '.join(PARTS)}")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-    config = OptimConfig(learning_rate=learning_rate, freeze=parts, warmup_steps=warmup_steps, total_steps=steps,
-                         grad_accum_steps=grad_accum)
+    config = OptimConfig(learning_rate=learning_rate, freeze=parts, warmup_steps=warmup_steps,
+                         total_steps=steps, grad_accum_steps=grad_accum)
     processor = Qwen3VLProcessor.from_pretrained(model)
-    dataset = SFTDataset(data, processor, batch_size=batch_size, max_length=max_length, seed=seed, strict=strict)
+    dataset = SFTDataset(data, processor, batch_size=batch_size, max_length=max_length, seed=seed,
+                         strict=strict)
     # f32 master weights; bf16 is the compute dtype only.
     net = Qwen3VL.from_pretrained(model, dtype=jnp.dtype(dtype).type, param_dtype=jnp.float32, remat=remat)
     trainable = None

@@ -153,7 +153,8 @@ class Trainer:
     def prepare(self, batch: dict[str, Any]):
         """Host side of one micro-batch: `(inputs, labels)` with fixed shapes for its bucket."""
         if "labels" not in batch:
-            raise ValueError("the batch has no 'labels'; build them with qwen3vl_jax.training.assistant_labels")
+            raise ValueError("the batch has no 'labels'; build them with "
+                             "qwen3vl_jax.training.assistant_labels")
         inputs = self.model.prepare_inputs(**{k: batch[k] for k in MODEL_INPUTS if batch.get(k) is not None},
                                            encode=False)
         if inputs.pixel_values is not None:
@@ -196,11 +197,13 @@ class Trainer:
         micro-batches), tokens (supervised), learning rate, grad norm and seconds."""
         micro_batches = list(micro_batches)
         if len(micro_batches) != self.config.grad_accum_steps:
-            raise ValueError(f"expected {self.config.grad_accum_steps} micro-batches, got {len(micro_batches)}")
+            raise ValueError(f"expected {self.config.grad_accum_steps} micro-batches, "
+                             f"got {len(micro_batches)}")
         start = time.perf_counter()
         grads, total, count = self.accumulate(micro_batches)
         lr = float(self._schedule(self.step_count))
-        params, self.opt_state, norm = self._update(nnx.to_pure_dict(self.params), self.opt_state, grads, count)
+        params, self.opt_state, norm = self._update(nnx.to_pure_dict(self.params), self.opt_state, grads,
+                                                    count)
         nnx.replace_by_pure_dict(self.params, params)
         nnx.update(self.model, self.params)
         self.step_count += 1
