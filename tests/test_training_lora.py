@@ -69,6 +69,11 @@ def test_adapter_saved_here_loads_in_peft_and_merges(tiny_dir, batch, tmp_path):
 
     merged = export_merged(model, tmp_path / "merged")
     assert_close(ours, real_logits(hf_logits(fresh_hf(merged), batch), batch), "f32_logits", "merged in HF")
+    export_merged(model, tmp_path / "merged_orbax", to="orbax")
+    reloaded = Qwen3VL.from_pretrained(tmp_path / "merged_orbax")
+    assert not lora_modules(reloaded)
+    assert_close(real_logits(reloaded(**{k: batch[k] for k in MODEL_INPUTS}), batch), ours, "f32_logits",
+                 "merged Orbax")
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])

@@ -353,8 +353,14 @@ def _stacked_name(module: str) -> str:
     return f"{stack}.{tail}" if stack else module
 
 
-def export_merged(model, directory: str | os.PathLike, *, dtype: str | None = None) -> str:
-    """A plain HF checkpoint (config.json + safetensors) of the model with its adapters merged."""
-    from ..convert import save_hf
+def export_merged(model, directory: str | os.PathLike, *, dtype: str | None = None, to: str = "hf") -> str:
+    """The model with its adapters merged, as a plain HF checkpoint (config.json + safetensors,
+    `to="hf"`) or as Orbax (`to="orbax"`, what `Qwen3VL.from_pretrained` and `save_orbax` use)."""
+    from ..convert import save_hf, save_orbax
+    from ..model import _nest
 
-    return save_hf(merged_params(model), model.config, directory, dtype=dtype)
+    if to == "hf":
+        return save_hf(merged_params(model), model.config, directory, dtype=dtype)
+    if to == "orbax":
+        return save_orbax(_nest(merged_params(model)), model.config, directory)
+    raise ValueError(f"to must be 'hf' or 'orbax', got {to!r}")
