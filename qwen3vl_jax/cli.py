@@ -1,4 +1,4 @@
-"""Command line: `qwen3vl-jax {demo, generate, convert}`.
+"""Command line: `qwen3vl-jax {demo, generate, convert, finetune}`.
 
 `qwen3vl-jax demo` with no arguments uses the built-in tiny default: a tiny HF-format checkpoint
 synthesized into a cache directory (`$QWEN3VL_JAX_CACHE`, default `~/.cache/qwen3vl-jax`) and
@@ -185,6 +185,20 @@ def run_convert(args) -> None:
           f"{time.perf_counter() - start:.1f} s, peak host memory {peak:.2f} GiB")
 
 
+def run_finetune(args) -> int:
+    from .training.run import finetune
+
+    options = {k: v for k, v in vars(args).items() if k != "command"}
+    try:
+        summary = finetune(**options)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"qwen3vl-jax finetune: error: {e}", file=sys.stderr)
+        return 2
+    print(f"finetune: {summary['steps']} updates, {summary['rows']} rows ({summary['skipped']} skipped), "
+          f"last loss {summary['last_loss']}; wrote {args.out}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="qwen3vl-jax", description="Qwen3-VL in JAX, Flax NNX and Pallas")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -210,7 +224,33 @@ def main(argv=None) -> int:
     convert.add_argument("--max-shard-bytes", type=int, default=None, help="shard size for --to hf")
     convert.add_argument("--overwrite", action="store_true",
                          help="replace a non-empty output directory (by default it is refused)")
+    tune = sub.add_parser("finetune", help="supervised fine-tuning (full or LoRA) on a JSONL conversation file")
+    tune.add_argument("--model", required=True, help="an HF or converted checkpoint directory")
+    tune.add_argument("--data", required=True, help="JSONL, one conversation per line (media relative to it)")
+    tune.add_argument("--out", required=True, help="output directory (checkpoints/, metrics.jsonl, loss.png, adapter/)")
+    tune.add_argument("--lora-rank", type=int, default=0, help="0 = full fine-tuning")
+    tune.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x rank")
+    tune.add_argument("--lora-dropout", type=float, default=0.0)
+    tune.add_argument("--lora-vision", action="store_true", help="adapters on the vision blocks too")
+    tune.add_argument("--freeze", default="", help="comma-separated parts: vision, merger, language")
+    tune.add_argument("--learning-rate", type=float, default=1e-4)
+    tune.add_argument("--warmup-steps", type=int, default=0)
+    tune.add_argument("--steps", type=int, default=100)
+    tune.add_argument("--batch-size", type=int, default=1)
+    tune.add_argument("--grad-accum", type=int, default=1)
+    tune.add_argument("--max-length", type=int, default=2048, help="longer rows are skipped, never truncated")
+    tune.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
+    tune.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                      help="compute dtype (the master weights stay float32)")
+    tune.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints")
+    tune.add_argument("--seed", type=int, default=0)
+    tune.add_argument("--save-every", type=int, default=50)
+    tune.add_argument("--keep", type=int, default=3, help="checkpoints kept")
+    tune.add_argument("--strict", action="store_true", help="refuse rows that would be skipped")
+    tune.add_argument("--export-merged", default=None, help="also write a plain HF checkpoint here")
     args = parser.parse_args(argv)
+    if args.command == "finetune":
+        return run_finetune(args)
     if args.command == "demo":
         run_demo(args)
     elif args.command == "generate":

@@ -141,12 +141,14 @@ class Qwen3VL(nnx.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
                         attention_implementation: str = "auto", scan_layers: bool | None = None,
-                        remat: bool = False, progress: bool = False) -> "Qwen3VL":
+                        remat: bool = False, progress: bool = False,
+                        adapter: str | os.PathLike | None = None) -> "Qwen3VL":
         """Load an HF checkpoint directory (config.json + safetensors) or one written by `save_orbax`.
 
         HF weights are read one shard at a time and cast to `param_dtype` (default `dtype`); an Orbax
         checkpoint is restored against the abstract model, so shapes and dtypes are checked. Either
-        loads into either parameter layout (`scan_layers`).
+        loads into either parameter layout (`scan_layers`). `adapter`: a PEFT LoRA adapter directory
+        (`adapter_config.json` + `adapter_model.safetensors`) added on top (`training.lora`).
         """
         kwargs = dict(dtype=dtype, param_dtype=param_dtype, attention_implementation=attention_implementation,
                       scan_layers=scan_layers, remat=remat)
@@ -174,6 +176,10 @@ class Qwen3VL(nnx.Module):
         graphdef, state = nnx.split(cls.abstract(config, **kwargs))
         model = nnx.merge(graphdef, _fill_state(state, params))
         model.generation_config = GenerationConfig.from_pretrained(path)
+        if adapter is not None:
+            from .training.lora import load_adapter
+
+            load_adapter(model, adapter)
         return model
 
     def save_orbax(self, directory: str | os.PathLike) -> str:

@@ -9,6 +9,7 @@ from .data import SFTDataset, Skipped, read_jsonl
 from .labels import IGNORE_INDEX, assistant_labels
 from .loss import causal_lm_loss, chunked_cross_entropy, shift_labels
 from .optim import PARTS, OptimConfig, build_optimizer, learning_rate_schedule
+from .trainer import Trainer, trainable_filter
 
 __all__ = [
     "IGNORE_INDEX",
@@ -23,4 +24,6 @@ __all__ = [
     "SFTDataset",
     "Skipped",
     "read_jsonl",
+    "Trainer",
+    "trainable_filter",
 ]

@@ -190,7 +190,7 @@ class SFTDataset:
     # ------------------------------------------------------------------ scanning
 
     def _process(self, conversations: list[list[dict]]) -> dict[str, Any]:
-        return self.processor.apply_chat_template(conversations, tokenize=True, padding=True,
+        return self.processor.apply_chat_template(conversations, tokenize=True, return_dict=True, padding=True,
                                                   padding_side=self.padding_side, return_tensors="np")
 
     def _scan(self, line: int, messages: list[dict]) -> _Row | Skipped:

@@ -1,0 +1,250 @@
+"""The train step: gradients of the trainable parameters only, HF's gradient accumulation, one jit.
+
+    trainer = Trainer(model, OptimConfig(learning_rate=1e-4, grad_accum_steps=2))
+    for step in range(n):
+        metrics = trainer.step([data.batch(2 * step), data.batch(2 * step + 1)])
+
+The model is split once (`nnx.split`) into the trainable parameters (a filter: the parts
+`OptimConfig.freeze` leaves trained, or the LoRA parameters) and everything else. Only the first are
+differentiated and only they carry optimizer state; the rest is passed to the jitted functions as a
+constant argument. The jitted functions donate their state arguments, so the parameters, the
+optimizer state and the gradient accumulator are updated in place.
+
+Gradient accumulation follows HF's Trainer (`num_items_in_batch`): each micro-batch contributes the
+gradient of its *sum* of per-token losses, and the update divides the sum over the K micro-batches by
+the total number of supervised tokens. That is the gradient of the mean over all supervised tokens of
+the accumulated batch, not the mean of K per-micro-batch means (which `optax.MultiSteps` would give,
+and which weighs a token of a short micro-batch more). Clipping and AdamW then see exactly HF's
+accumulated gradient. So the optimizer is built with `grad_accum_steps=1`; the accumulation lives here.
+
+Shapes and compiles: `prepare_inputs(..., encode=False)` runs on the host before the jit, so the
+vision tower runs inside the differentiated function. The pixels and the tower's metadata are padded
+to a fixed patch budget per vision bucket (`batch_size * vision bucket` merged tokens, the bound
+`SFTDataset` guarantees), padding in its own attention segment as `buckets.EncoderRunner` does; the
+padded rows are never spliced in. So the micro-step compiles once per `(length bucket, vision
+bucket)` and the update once; `COMPILE_COUNTS` counts the traces.
+
+Precision: build the model with `param_dtype=jnp.float32, dtype=jnp.bfloat16` for f32 master weights
+with bf16 compute (the gradients and AdamW run in f32 on the f32 parameters); `remat=True` on the
+model recomputes each block in the backward pass.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from ..model import MODEL_INPUTS
+from ..vision import VisionMetadata
+from .loss import chunked_cross_entropy, shift_labels
+from .optim import OptimConfig, build_optimizer, learning_rate_schedule, param_part
+
+__all__ = ["Trainer", "trainable_filter", "pad_vision", "COMPILE_COUNTS"]
+
+COMPILE_COUNTS: collections.Counter = collections.Counter()
+"""Traces of the jitted micro-step ("grad") and update ("update"); incremented at trace time only."""
+
+
+def trainable_filter(freeze: tuple[str, ...] = ()):
+    """An nnx filter: the `nnx.Param`s of the model parts (`optim.PARTS`) not in `freeze`."""
+    freeze = tuple(freeze)
+
+    def keep(path, value) -> bool:
+        if not isinstance(value, nnx.Param):
+            return False
+        name = ".".join(str(k) for k in path)
+        return param_part(name) not in freeze
+
+    return keep
+
+
+def pad_vision(inputs, patches: int):
+    """`inputs` with the pixels and the tower's metadata padded to `patches` rows (fixed shapes).
+
+    The padding is its own attention segment (-1), so it never mixes with real patches, and its
+    merged rows are never referenced by `visual_index`.
+    """
+    if inputs.pixel_values is None:
+        return inputs
+    real = inputs.pixel_values.shape[0]
+    if real > patches:
+        raise ValueError(f"{real} patches exceed the vision budget of {patches} patches")
+    pad = patches - real
+    meta = inputs.vision
+    vision = VisionMetadata(
+        pos_indices=jnp.pad(meta.pos_indices, ((0, pad), (0, 0))),
+        pos_weights=jnp.pad(meta.pos_weights, ((0, pad), (0, 0))),
+        rotary_ids=jnp.pad(meta.rotary_ids, ((0, pad), (0, 0))),
+        segment_ids=jnp.pad(meta.segment_ids, (0, pad), constant_values=-1),
+    )
+    return dataclasses.replace(inputs, pixel_values=jnp.pad(inputs.pixel_values, ((0, pad), (0, 0))),
+                               vision=vision)
+
+
+def _zeros_like(tree):
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+class Trainer:
+    """Optimizer state and the jitted train step for a `Qwen3VL` (full fine-tuning or LoRA).
+
+    Args:
+      model: the model; its trainable parameters are updated in place by `step` (re-merged after
+        each update, so `model` always holds the current values).
+      config: optimizer hyperparameters; `config.grad_accum_steps` is the number of micro-batches
+        `step` expects.
+      trainable: an nnx filter of the differentiated variables (default: `trainable_filter(
+        config.freeze)`; LoRA runs pass `nnx.LoRAParam`).
+      chunk_size: tokens per LM-head call in the loss (memory only).
+      max_vision_tokens: merged vision tokens per micro-batch the pixels are padded to (default:
+        the batch's `batch_size * vision bucket` when the batch carries a `bucket`, else the real count
+        rounded up to a power of two).
+      seed: the dropout keys (LoRA dropout) of micro-batch k of update s are `fold_in(fold_in(seed,
+        s), k)`: a pure function of the step, so a resumed run draws the same masks.
+    """
+
+    def __init__(self, model, config: OptimConfig, *, trainable=None, chunk_size: int = 1024,
+                 max_vision_tokens: int | None = None, seed: int = 0):
+        self.model = model
+        self.config = config
+        self.chunk_size = chunk_size
+        self.max_vision_tokens = max_vision_tokens
+        self.trainable = trainable if trainable is not None else trainable_filter(config.freeze)
+        from .lora import LoRAKey, set_lora_training
+
+        # The step's graph has LoRA dropout on; the caller's model is left in evaluation mode.
+        set_lora_training(model, True)
+        self.graphdef, self.params, self.keys, self.rest = nnx.split(model, self.trainable, LoRAKey, ...)
+        set_lora_training(model, False)
+        self.seed = seed
+        if not jax.tree.leaves(self.params):
+            raise ValueError("no trainable parameters: the filter selects nothing")
+        self.tx = build_optimizer(dataclasses.replace(config, grad_accum_steps=1))
+        self.opt_state = self.tx.init(nnx.to_pure_dict(self.params))
+        self.step_count = 0
+        self._schedule = learning_rate_schedule(config.learning_rate, config)
+        self._grad = jax.jit(functools.partial(_micro_step, self.graphdef, chunk_size), donate_argnums=(0,))
+        self._update = jax.jit(functools.partial(_update, self.tx), donate_argnums=(0, 1))
+
+    # ------------------------------------------------------------------ state
+
+    def state(self) -> dict[str, Any]:
+        """The trainable parameters (pure dict), the optimizer state and the step (for checkpoints)."""
+        return {"params": nnx.to_pure_dict(self.params), "opt_state": self.opt_state,
+                "step": jnp.asarray(self.step_count, jnp.int32)}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        nnx.replace_by_pure_dict(self.params, state["params"])
+        self.opt_state = state["opt_state"]
+        self.step_count = int(state["step"])
+        nnx.update(self.model, self.params)
+
+    # ------------------------------------------------------------------ stepping
+
+    def prepare(self, batch: dict[str, Any]):
+        """Host side of one micro-batch: `(inputs, labels)` with fixed shapes for its bucket."""
+        if "labels" not in batch:
+            raise ValueError("the batch has no 'labels'; build them with "
+                             "qwen3vl_jax.training.assistant_labels")
+        inputs = self.model.prepare_inputs(**{k: batch[k] for k in MODEL_INPUTS if batch.get(k) is not None},
+                                           encode=False)
+        if inputs.pixel_values is not None:
+            unit = self.model.config.vision.merge_unit
+            tokens = self.max_vision_tokens
+            if tokens is None and "bucket" in batch:
+                tokens = int(batch["input_ids"].shape[0]) * int(batch["bucket"][1])
+            if tokens is None:
+                tokens = 1 << max(0, int(inputs.pixel_values.shape[0] // unit) - 1).bit_length()
+            inputs = pad_vision(inputs, tokens * unit)
+        labels = jnp.asarray(batch["labels"], jnp.int32)
+        if labels.shape != inputs.input_ids.shape:
+            raise ValueError(f"labels shape {labels.shape} != input_ids shape {inputs.input_ids.shape}")
+        return inputs, labels
+
+    def accumulate(self, micro_batches):
+        """`(grads, loss sum, supervised tokens)`: the summed-loss gradients of the trainable
+        parameters (pure dict) over `micro_batches`, not yet divided by the token count."""
+        grads = _zeros_like(nnx.to_pure_dict(self.params))
+        total = jnp.zeros((), jnp.float32)
+        count = jnp.zeros((), jnp.int32)
+        base = jax.random.fold_in(jax.random.key(self.seed), self.step_count)
+        for k, batch in enumerate(micro_batches):
+            inputs, labels = self.prepare(batch)
+            grads, total, count = self._grad((grads, total, count), nnx.to_pure_dict(self.params),
+                                             nnx.to_pure_dict(self.keys), self.rest, inputs, labels,
+                                             jax.random.fold_in(base, k))
+        return grads, total, count
+
+    def gradients(self, micro_batches):
+        """`(loss, grads)`: the mean loss over all supervised tokens of `micro_batches` and its
+        gradient, i.e. what the update sees (before clipping)."""
+        grads, total, count = self.accumulate(micro_batches)
+        scale = 1.0 / max(int(count), 1)
+        return float(total) * scale, jax.tree.map(lambda g: g * scale, grads)
+
+    def step(self, micro_batches) -> dict[str, float]:
+        """One optimizer update from `config.grad_accum_steps` micro-batches (dicts as
+        `SFTDataset.batch` returns). Returns loss (mean over the supervised tokens of all
+        micro-batches), tokens (supervised), learning rate, grad norm and seconds."""
+        micro_batches = list(micro_batches)
+        if len(micro_batches) != self.config.grad_accum_steps:
+            raise ValueError(f"expected {self.config.grad_accum_steps} micro-batches, "
+                             f"got {len(micro_batches)}")
+        start = time.perf_counter()
+        grads, total, count = self.accumulate(micro_batches)
+        lr = float(self._schedule(self.step_count))
+        params, self.opt_state, norm = self._update(nnx.to_pure_dict(self.params), self.opt_state, grads,
+                                                    count)
+        nnx.replace_by_pure_dict(self.params, params)
+        nnx.update(self.model, self.params)
+        self.step_count += 1
+        tokens = int(count)
+        loss = float(total) / max(tokens, 1)
+        return {"step": self.step_count, "loss": loss, "tokens": tokens, "learning_rate": lr,
+                "grad_norm": float(norm), "seconds": time.perf_counter() - start}
+
+
+def _fresh_keys(keys, rng):
+    """New raw key data for every LoRA dropout key (one per module, per block when stacked)."""
+    leaves, treedef = jax.tree_util.tree_flatten(keys)
+    fresh = []
+    for i, leaf in enumerate(leaves):
+        count = int(np.prod(leaf.shape[:-1]))
+        data = jax.random.key_data(jax.random.split(jax.random.fold_in(rng, i), count))
+        fresh.append(data.reshape(leaf.shape).astype(leaf.dtype))
+    return jax.tree_util.tree_unflatten(treedef, fresh)
+
+
+def _micro_step(graphdef, chunk_size, acc, params, keys, rest, inputs, labels, rng):
+    """Add this micro-batch's gradient of the summed token losses, its loss sum and token count."""
+    COMPILE_COUNTS["grad"] += 1
+    keys = nnx.State(_fresh_keys(keys, rng))
+
+    def summed_loss(params):
+        model = nnx.merge(graphdef, nnx.State(params), keys, rest)
+        hidden = model.forward_hidden(inputs).hidden
+        total, n = chunked_cross_entropy(hidden, shift_labels(labels), model.logits, chunk_size)
+        return total, n
+
+    (total, n), grads = jax.value_and_grad(summed_loss, has_aux=True)(params)
+    acc_grads, acc_total, acc_count = acc
+    return jax.tree.map(jnp.add, acc_grads, grads), acc_total + total, acc_count + n.astype(jnp.int32)
+
+
+def _update(tx, params, opt_state, grads, count):
+    """Divide the accumulated gradient by the supervised-token count, then clip + AdamW."""
+    COMPILE_COUNTS["update"] += 1
+    scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
+    grads = jax.tree.map(lambda g: g * scale, grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+

@@ -1,0 +1,137 @@
+"""Train-step benchmark: our jitted `Trainer.step` against HF torch (loss, backward, AdamW), same
+config, batch and weights, float32, in one run.
+
+    .venv/bin/python scripts/bench_train.py [--repeats 5] [--layers 4] [--hidden 256] [--batch 2]
+
+The model is the tiny architecture (`qwen3vl_jax.testing.make_tiny_checkpoint`) widened to `--hidden`
+with `--layers` decoder layers; the batch is `--batch` image conversations (the processor's output,
+assistant-only labels). Both sides do full fine-tuning with AdamW and global-norm clipping at 1.0.
+Prints the median step time of each side, the ratio HF / ours (above 1 means we are faster), tokens/s,
+and each side's peak host memory (`ru_maxrss`), ours with and without `remat`; every measurement of
+memory runs in its own subprocess, since the peak only grows. Writes nothing outside a temporary
+directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def _peak_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB on Linux
+
+
+def _checkpoint(directory: str, hidden: int, layers: int) -> str:
+    from qwen3vl_jax.testing import make_tiny_checkpoint
+
+    heads = max(2, hidden // 64)
+    return make_tiny_checkpoint(
+        directory,
+        text={"hidden_size": hidden, "intermediate_size": 3 * hidden, "num_hidden_layers": layers,
+              "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2), "head_dim": 64,
+              "mrope_section": (12, 10, 10)},
+        vision={"hidden_size": hidden // 2, "intermediate_size": hidden, "num_heads": max(2, heads // 2),
+                "out_hidden_size": hidden})
+
+
+def _batch(path: str, size: int) -> dict:
+    from qwen3vl_jax import Qwen3VLProcessor
+    from qwen3vl_jax.cli import demo_image
+    from qwen3vl_jax.training import assistant_labels
+
+    processor = Qwen3VLProcessor.from_pretrained(path)
+    conversations = [[
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Describe picture {i}."}]},
+        {"role": "assistant", "content": "A coloured square on a plain background, seen from above. " * 4},
+    ] for i in range(size)]
+    texts = processor.apply_chat_template(conversations)
+    images = [demo_image(224, 224, seed=i) for i in range(size)]
+    out = processor(text=texts, images=images, padding=True, return_tensors="np")
+    out["labels"] = assistant_labels(out["input_ids"], out["attention_mask"], processor, conversations)
+    return dict(out)
+
+
+def _median(fn, repeats: int) -> float:
+    fn()  # warm-up: compile (ours), allocator (torch)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run_side(side: str, path: str, batch_size: int, repeats: int) -> dict:
+    batch = _batch(path, batch_size)
+    tokens = int(batch["attention_mask"].sum())
+    if side == "hf":
+        import torch
+        from transformers import Qwen3VLForConditionalGeneration
+
+        from qwen3vl_jax.model import MODEL_INPUTS
+
+        model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
+        inputs = {k: torch.from_numpy(np.asarray(batch[k])) for k in MODEL_INPUTS if k in batch}
+        labels = torch.from_numpy(batch["labels"])
+
+        def step():
+            loss = model(**inputs, labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    else:
+        from qwen3vl_jax import Qwen3VL
+        from qwen3vl_jax.training import OptimConfig, Trainer
+
+        model = Qwen3VL.from_pretrained(path, remat=side == "ours_remat")
+        trainer = Trainer(model, OptimConfig(learning_rate=1e-5, max_grad_norm=1.0))
+
+        def step():
+            trainer.step([batch])  # returns floats: the step has finished
+    seconds = _median(step, repeats)
+    return {"side": side, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds,
+            "peak_gib": _peak_gib()}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--side", choices=("hf", "ours", "ours_remat"), help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.side:  # a child process: one side, one JSON line
+        print(json.dumps(run_side(args.side, args.path, args.batch, args.repeats)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _checkpoint(f"{tmp}/ckpt", args.hidden, args.layers)
+        results = {}
+        for side in ("hf", "ours", "ours_remat"):
+            out = subprocess.run([sys.executable, __file__, "--side", side, "--path", path, "--batch",
+                                  str(args.batch), "--repeats", str(args.repeats)],
+                                 capture_output=True, text=True, check=True)
+            results[side] = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"config: hidden {args.hidden}, {args.layers} decoder layers, batch {args.batch} image conversations, "
+          f"{results['hf']['tokens']} tokens; f32, AdamW + clipping; median of {args.repeats}")
+    for side, r in results.items():
+        print(f"{side:>11}: {r['seconds'] * 1e3:8.1f} ms/step  {r['tokens_per_second']:8.0f} tokens/s  "
+              f"peak host memory {r['peak_gib']:.2f} GiB")
+    print(f"ratio HF / ours: {results['hf']['seconds'] / results['ours']['seconds']:.2f}x "
+          f"(remat: {results['hf']['seconds'] / results['ours_remat']['seconds']:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
