@@ -27,9 +27,12 @@ __all__ = [
     "RULES",
     "hf_to_ours_name",
     "ours_to_hf_name",
+    "partition_spec",
     "safetensors_files",
     "iter_hf_tensors",
     "load_hf_params",
+    "plan_hf_params",
+    "SliceReader",
     "export_hf_tensors",
 ]
 
@@ -40,36 +43,63 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Transform:
-    """A named, invertible map between an HF tensor and our parameter."""
+    """A named, invertible map between an HF tensor and our parameter.
+
+    `ours_shape` maps an HF shape to ours (for checking a checkpoint from its headers alone);
+    `read` builds a block of our parameter, `our_index` (a tuple of slices), from a reader of HF
+    blocks (`get(hf_index) -> ndarray`), so a device reads only the slice it holds.
+    """
 
     name: str
     to_ours: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray, Qwen3VLConfig], np.ndarray]
+    ours_shape: Callable[[tuple[int, ...]], tuple[int, ...]]
+    read: Callable[[Callable[[tuple], np.ndarray], tuple], np.ndarray]
 
 
-IDENTITY = Transform("identity", lambda a: a, lambda a, c: a)
+IDENTITY = Transform("identity", lambda a: a, lambda a, c: a, lambda s: tuple(s), lambda get, index: get(index))
 # torch Linear stores [out, in]; nnx.Linear's kernel is [in, out].
-LINEAR = Transform("linear_transpose", lambda a: a.T, lambda a, c: a.T)
+LINEAR = Transform("linear_transpose", lambda a: a.T, lambda a, c: a.T, lambda s: tuple(s)[::-1],
+                   lambda get, index: get(tuple(index)[::-1]).T)
 # A Conv3d with kernel == stride over a [C, T, p, p] patch is a linear map of the flattened patch:
 # weight [E, C, T, p, p] -> kernel [C*T*p*p, E] (the flattening order of `pixel_values` rows).
+def _conv3d_to_ours(a: np.ndarray) -> np.ndarray:
+    return a.reshape(a.shape[0], -1).T
+
+
 CONV3D_AS_LINEAR = Transform(
     "conv3d_as_linear",
-    lambda a: a.reshape(a.shape[0], -1).T,
+    _conv3d_to_ours,
     lambda a, c: a.T.reshape(
         c.vision.hidden_size, c.vision.in_channels, c.vision.temporal_patch_size, c.vision.patch_size,
         c.vision.patch_size,
     ),
+    lambda s: (int(np.prod(s[1:])), s[0]),
+    lambda get, index: _conv3d_to_ours(get(tuple(index[1:2])))[index[0]],
 )
+
+# Mesh axis names (`sharding.py` builds the mesh). A rule's `spec` names the axis each dimension of
+# our parameter is split over (None: not split): attention heads and MLP columns over `tensor`, the
+# other weight dimension over `fsdp`.
+FSDP, TENSOR = "fsdp", "tensor"
+COLUMNS = (FSDP, TENSOR)  # [in, out] kernels whose outputs are heads / MLP columns
+ROWS = (TENSOR, FSDP)  # [in, out] kernels whose inputs are heads / MLP columns
+REPLICATED = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """`hf` and `ours` are name templates; `{x}` stands for the same text (matching `x`) in both."""
+    """`hf` and `ours` are name templates; `{x}` stands for the same text (matching `x`) in both.
+
+    `spec`: the parameter's partitioning over the mesh (see above). The vision tower's rules give
+    its tensor-parallel layout; by default the tower is replicated (`sharding.py`).
+    """
 
     hf: str
     ours: str
     transform: Transform
     x: str = r".+"
+    spec: tuple[str | None, ...] = REPLICATED
 
     def _regex(self, template: str) -> re.Pattern:
         return re.compile(re.escape(template).replace(r"\{x\}", f"({self.x})"))
@@ -83,18 +113,32 @@ class Rule:
         return None if m is None else self.hf.replace("{x}", m.group(1) if m.groups() else "")
 
 
+_VIT = r"blocks\.\d+\."
+_LAYER = r"layers\.\d+\."
 # Order matters: the first matching rule wins.
 RULES: tuple[Rule, ...] = (
     Rule("model.visual.patch_embed.proj.weight", "visual.patch_embed.proj.kernel", CONV3D_AS_LINEAR),
     Rule("model.visual.pos_embed.weight", "visual.pos_embed.embedding", IDENTITY),
     Rule("model.visual.{x}.weight", "visual.{x}.scale", IDENTITY, x=r"(?:.*\.)?norm\d?"),  # LayerNorm
-    Rule("model.visual.{x}.weight", "visual.{x}.kernel", LINEAR),
+    Rule("model.visual.{x}.weight", "visual.{x}.kernel", LINEAR, x=_VIT + r"(?:attn\.qkv|mlp\.linear_fc1)",
+         spec=(None, TENSOR)),
+    Rule("model.visual.{x}.bias", "visual.{x}.bias", IDENTITY, x=_VIT + r"(?:attn\.qkv|mlp\.linear_fc1)",
+         spec=(TENSOR,)),
+    Rule("model.visual.{x}.weight", "visual.{x}.kernel", LINEAR, x=_VIT + r"(?:attn\.proj|mlp\.linear_fc2)",
+         spec=(TENSOR, None)),
+    Rule("model.visual.{x}.weight", "visual.{x}.kernel", LINEAR),  # the mergers
     Rule("model.visual.{x}.bias", "visual.{x}.bias", IDENTITY),
-    Rule("model.language_model.embed_tokens.weight", "language_model.embed_tokens.embedding", IDENTITY),
+    Rule("model.language_model.embed_tokens.weight", "language_model.embed_tokens.embedding", IDENTITY,
+         spec=(TENSOR, FSDP)),
     Rule("model.language_model.{x}.weight", "language_model.{x}.weight", IDENTITY, x=r".*norm"),  # RMSNorm
-    Rule("model.language_model.{x}.weight", "language_model.{x}.kernel", LINEAR, x=r".*_proj"),
-    Rule("model.language_model.{x}.bias", "language_model.{x}.bias", IDENTITY, x=r".*_proj"),
-    Rule("lm_head.weight", "lm_head.kernel", LINEAR),
+    Rule("model.language_model.{x}.weight", "language_model.{x}.kernel", LINEAR,
+         x=_LAYER + r"(?:self_attn\.[qkv]_proj|mlp\.gate_proj|mlp\.up_proj)", spec=COLUMNS),
+    Rule("model.language_model.{x}.weight", "language_model.{x}.kernel", LINEAR,
+         x=_LAYER + r"(?:self_attn\.o_proj|mlp\.down_proj)", spec=ROWS),
+    Rule("model.language_model.{x}.bias", "language_model.{x}.bias", IDENTITY, x=_LAYER + r"self_attn\.[qkv]_proj",
+         spec=(TENSOR,)),
+    Rule("model.language_model.{x}.bias", "language_model.{x}.bias", IDENTITY, x=_LAYER + r"self_attn\.o_proj"),
+    Rule("lm_head.weight", "lm_head.kernel", LINEAR, spec=COLUMNS),
 )
 
 
@@ -107,14 +151,24 @@ def hf_to_ours_name(name: str) -> tuple[str, Transform] | None:
     return None
 
 
-def ours_to_hf_name(path: str) -> tuple[str, Transform]:
-    """The HF name and transform for one of our parameter paths (the inverse of the table)."""
+def _rule_for(path: str) -> tuple[str, Rule]:
     for rule in RULES:
         name = rule.match_ours(path)
         # Only a name that converts forward to the same path is a true inverse (first match wins).
         if name is not None and hf_to_ours_name(name) == (path, rule.transform):
-            return name, rule.transform
+            return name, rule
     raise KeyError(f"no conversion rule produces the parameter {path!r}")
+
+
+def ours_to_hf_name(path: str) -> tuple[str, Transform]:
+    """The HF name and transform for one of our parameter paths (the inverse of the table)."""
+    name, rule = _rule_for(path)
+    return name, rule.transform
+
+
+def partition_spec(path: str) -> tuple[str | None, ...]:
+    """The mesh axis of each dimension of one of our (canonical, per-block) parameters: its rule's `spec`."""
+    return _rule_for(path)[1].spec
 
 
 # ---------------------------------------------------------------------- reading safetensors
@@ -143,20 +197,88 @@ def safetensors_files(directory: str | os.PathLike) -> list[str]:
     )
 
 
-def iter_hf_tensors(directory: str | os.PathLike) -> Iterator[tuple[str, str, np.ndarray]]:
-    """Yield (shard file, HF name, numpy array), one shard open at a time."""
+@contextlib.contextmanager
+def _open_safetensors(file: str):
+    """`safe_open` (memory-mapped, numpy) whose read errors name the file."""
     from safetensors import SafetensorError, safe_open
 
+    try:  # a truncated or corrupt shard fails inside safetensors, without naming the file
+        with safe_open(file, framework="np") as f:
+            yield f
+    except SafetensorError as e:
+        raise CheckpointError(f"{file}: cannot read the safetensors file (truncated or corrupt?): {e}") from e
+
+
+def iter_hf_tensors(directory: str | os.PathLike) -> Iterator[tuple[str, str, np.ndarray]]:
+    """Yield (shard file, HF name, numpy array), one shard open at a time."""
     for file in safetensors_files(directory):
-        try:  # a truncated or corrupt shard fails here, inside safetensors, without naming the file
-            with safe_open(file, framework="np") as f:
-                for name in f.keys():
-                    yield file, name, f.get_tensor(name)
-        except SafetensorError as e:
-            raise CheckpointError(f"{file}: cannot read the safetensors file (truncated or corrupt?): {e}") from e
+        with _open_safetensors(file) as f:
+            for name in f.keys():
+                yield file, name, f.get_tensor(name)
 
 
-# ---------------------------------------------------------------------- loading and exporting
+@dataclasses.dataclass(frozen=True)
+class TensorSource:
+    """Where one of our parameters lives in an HF checkpoint: file, HF name and transform."""
+
+    file: str
+    name: str
+    transform: Transform
+
+
+def plan_hf_params(
+    directory: str | os.PathLike,
+    expected: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+    config: Qwen3VLConfig,
+) -> dict[str, TensorSource]:
+    """Match an HF checkpoint to `expected` (`{our path: (shape, dtype)}`) from the safetensors
+    headers alone: `{our path: TensorSource}`. Strict: raises `CheckpointError` listing every
+    problem at once (unexpected, duplicate, missing tensors and shape mismatches)."""
+    sources: dict[str, TensorSource] = {}
+    problems: list[str] = []
+    seen: dict[str, str] = {}  # HF name -> file
+    claimed: dict[str, str] = {}  # our path -> HF name (also for tensors rejected on shape)
+    for file in safetensors_files(directory):
+        with _open_safetensors(file) as f:
+            headers = [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]
+        for name, hf_shape in headers:
+            if name in seen:
+                problems.append(f"tensor {name} appears twice ({seen[name]} and {file})")
+                continue
+            seen[name] = file
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # tied: the logits reuse embed_tokens; a stored copy is redundant
+            target = hf_to_ours_name(name)
+            if target is None:
+                problems.append(f"unexpected tensor {name} {list(hf_shape)} (no conversion rule)")
+                continue
+            path, transform = target
+            if path not in expected:
+                problems.append(f"unexpected tensor {name} {list(hf_shape)} (the model has no {path})")
+                continue
+            if path in claimed:
+                problems.append(f"tensors {claimed[path]} and {name} both fill {path}")
+                continue
+            claimed[path] = name
+            shape = tuple(expected[path][0])
+            ours = tuple(transform.ours_shape(hf_shape)) if hf_shape else ()
+            if ours != shape:
+                problems.append(f"shape mismatch for {name}: checkpoint {list(hf_shape)} -> {list(ours)} "
+                                f"after {transform.name}, model expects {list(shape)}")
+                continue
+            sources[path] = TensorSource(file, name, transform)
+    for path in sorted(set(expected) - set(claimed)):
+        try:
+            hf_name = ours_to_hf_name(path)[0]
+        except KeyError:
+            hf_name = "?"
+        problems.append(f"missing tensor {hf_name} for parameter {path}")
+    if problems:
+        raise CheckpointError(
+            f"{os.fspath(directory)}: {len(problems)} problem(s) loading the checkpoint:\n  - "
+            + "\n  - ".join(problems)
+        )
+    return sources
 
 
 def load_hf_params(
@@ -170,55 +292,55 @@ def load_hf_params(
     """Read an HF checkpoint into `{our path: array}` for exactly the parameters in `expected`.
 
     `expected` maps each of our parameter paths to its (shape, dtype). Arrays are cast to `dtype`
-    (default: the expected dtype). Raises `CheckpointError` listing every problem at once.
+    (default: the expected dtype). The checkpoint is checked first (`plan_hf_params`), then read
+    one shard at a time. Raises `CheckpointError` listing every problem at once.
     """
+    sources = plan_hf_params(directory, expected, config)
+    by_file: dict[str, list[str]] = {}
+    for path, source in sources.items():
+        by_file.setdefault(source.file, []).append(path)
     out: dict[str, np.ndarray] = {}
-    problems: list[str] = []
-    seen: dict[str, str] = {}  # HF name -> file
-    claimed: dict[str, str] = {}  # our path -> HF name (also for tensors rejected on shape)
-    for file, name, array in iter_hf_tensors(directory):
-        if on_tensor is not None:
-            on_tensor(name)
-        if name in seen:
-            problems.append(f"tensor {name} appears twice ({seen[name]} and {file})")
-            continue
-        seen[name] = file
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue  # tied: the logits reuse embed_tokens; a stored copy is redundant
-        target = hf_to_ours_name(name)
-        if target is None:
-            problems.append(f"unexpected tensor {name} {list(array.shape)} (no conversion rule)")
-            continue
-        path, transform = target
-        if path not in expected:
-            problems.append(f"unexpected tensor {name} {list(array.shape)} (the model has no {path})")
-            continue
-        if path in claimed:
-            problems.append(f"tensors {claimed[path]} and {name} both fill {path}")
-            continue
-        claimed[path] = name
-        value = transform.to_ours(array)
-        shape, want_dtype = expected[path]
-        if tuple(value.shape) != tuple(shape):
-            problems.append(
-                f"shape mismatch for {name}: checkpoint {list(array.shape)} -> {list(value.shape)} "
-                f"after {transform.name}, model expects {list(shape)}"
-            )
-            continue
-        out[path] = np.ascontiguousarray(value.astype(dtype or want_dtype, copy=False))
-    missing = sorted(set(expected) - set(claimed))
-    for path in missing:
-        try:
-            hf_name = ours_to_hf_name(path)[0]
-        except KeyError:
-            hf_name = "?"
-        problems.append(f"missing tensor {hf_name} for parameter {path}")
-    if problems:
-        raise CheckpointError(
-            f"{os.fspath(directory)}: {len(problems)} problem(s) loading the checkpoint:\n  - "
-            + "\n  - ".join(problems)
-        )
+    for file, paths in by_file.items():
+        with _open_safetensors(file) as f:
+            for path in paths:
+                source = sources[path]
+                if on_tensor is not None:
+                    on_tensor(source.name)
+                value = source.transform.to_ours(f.get_tensor(source.name))
+                out[path] = np.ascontiguousarray(value.astype(dtype or expected[path][1], copy=False))
     return out
+
+
+class SliceReader:
+    """Reads blocks of our parameters from an HF checkpoint (`plan_hf_params`' sources), keeping
+    each safetensors file open (memory-mapped) until `close`: `read(path, index, dtype)` returns
+    `param[index]` having read only that block's bytes (plus, for the patch embedding, its rows)."""
+
+    def __init__(self, sources: Mapping[str, TensorSource]):
+        self.sources = dict(sources)
+        self._stack = contextlib.ExitStack()
+        self._files: dict[str, object] = {}
+
+    def _file(self, file: str):
+        if file not in self._files:
+            self._files[file] = self._stack.enter_context(_open_safetensors(file))
+        return self._files[file]
+
+    def read(self, path: str, index: tuple, dtype) -> np.ndarray:
+        source = self.sources[path]
+        handle = self._file(source.file).get_slice(source.name)
+        block = source.transform.read(lambda hf_index: handle[tuple(hf_index)], tuple(index))
+        return np.ascontiguousarray(np.asarray(block).astype(dtype, copy=False))
+
+    def close(self) -> None:
+        self._stack.close()
+        self._files.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def export_hf_tensors(params: Mapping[str, np.ndarray], config: Qwen3VLConfig) -> dict[str, np.ndarray]:

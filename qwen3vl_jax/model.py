@@ -37,11 +37,12 @@ from pallas_kernels.attention.mask import AttentionMask
 
 from . import pruning as pruning_lib
 from .config import Qwen3VLConfig
-from .convert import is_orbax_dir, load_hf_params, restore_orbax, save_hf, save_orbax
+from .convert import SliceReader, is_orbax_dir, load_hf_params, plan_hf_params, restore_orbax, save_hf, save_orbax
 from .generate import GenerationConfig
 from .generate import generate as generate_tokens
 from .layers import Linear, use_scan
 from .mrope import get_rope_index
+from .sharding import constrain, use_mesh
 from .text import TextModel
 from .vision import VisionMetadata, VisionModel, VisionOutput, validate_vision_inputs, vision_metadata
 
@@ -142,20 +143,33 @@ class Qwen3VL(nnx.Module):
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
                         attention_implementation: str = "auto", scan_layers: bool | None = None,
                         remat: bool = False, progress: bool = False,
-                        adapter: str | os.PathLike | None = None) -> "Qwen3VL":
+                        adapter: str | os.PathLike | None = None, mesh=None, vision: str = "data") -> "Qwen3VL":
         """Load an HF checkpoint directory (config.json + safetensors) or one written by `save_orbax`.
 
         HF weights are read one shard at a time and cast to `param_dtype` (default `dtype`); an Orbax
         checkpoint is restored against the abstract model, so shapes and dtypes are checked. Either
         loads into either parameter layout (`scan_layers`). `adapter`: a PEFT LoRA adapter directory
         (`adapter_config.json` + `adapter_model.safetensors`) added on top (`training.lora`).
+
+        `mesh` (`sharding.make_mesh`): load sharded by the converter's partition rules; every process
+        reads only the slices its devices hold, straight into device shards (HF: memory-mapped
+        safetensors slices; Orbax: a sharded restore). `vision`: "data" (the tower replicated, the
+        default) or "tensor" (split by its rules). See `qwen3vl_jax.sharding`.
         """
         kwargs = dict(dtype=dtype, param_dtype=param_dtype, attention_implementation=attention_implementation,
                       scan_layers=scan_layers, remat=remat)
+        shardings = None
         if is_orbax_dir(path):
             def target(config):  # Orbax holds the canonical per-block layout
                 abstract = cls.abstract(config, **{**kwargs, "scan_layers": False})
-                return nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+                pure = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+                if mesh is None:
+                    return pure
+                from .sharding import check_mesh, param_shardings
+
+                check_mesh(config, mesh, vision=vision)
+                return jax.tree.map(lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s),
+                                    pure, param_shardings(nnx.State(pure), mesh, vision=vision))
 
             config, pure = restore_orbax(path, target)
             params = {name: leaf for name, leaf in _flat_paths(pure)}
@@ -168,18 +182,39 @@ class Qwen3VL(nnx.Module):
                 bar = tqdm(desc=f"reading {os.path.basename(os.path.abspath(path))}", unit=" tensors")
             try:
                 expected = param_shapes(nnx.state(cls.abstract(config, **kwargs), nnx.Param))
-                params = load_hf_params(path, expected, config,
-                                        on_tensor=None if bar is None else (lambda name: bar.update()))
+                if mesh is None:
+                    params = load_hf_params(path, expected, config,
+                                            on_tensor=None if bar is None else (lambda name: bar.update()))
+                else:
+                    from .sharding import check_mesh
+
+                    check_mesh(config, mesh, vision=vision)
+                    reader = SliceReader(plan_hf_params(path, expected, config))
+                    params = {name: _Slices(reader, name, shape) for name, (shape, _) in expected.items()}
             finally:
                 if bar is not None:
                     bar.close()
         graphdef, state = nnx.split(cls.abstract(config, **kwargs))
-        model = nnx.merge(graphdef, _fill_state(state, params))
+        if mesh is not None:
+            from .sharding import param_shardings
+
+            shardings = param_shardings(state, mesh, vision=vision)
+        try:
+            model = nnx.merge(graphdef, _fill_state(state, params, shardings))
+        finally:
+            for value in params.values():
+                if isinstance(value, _Slices):
+                    value.reader.close()
+                    break
         model.generation_config = GenerationConfig.from_pretrained(path)
         if adapter is not None:
             from .training.lora import load_adapter
 
             load_adapter(model, adapter)
+            if mesh is not None:
+                from .sharding import shard
+
+                shard(model, mesh, vision=vision)
         return model
 
     def save_orbax(self, directory: str | os.PathLike) -> str:
@@ -207,9 +242,10 @@ class Qwen3VL(nnx.Module):
         grid = validate_vision_inputs(pixel_values, grid_thw, self.config.vision)
         meta = vision_metadata(grid, self.config.vision)
         graphdef, state = nnx.split(self.visual)
-        out = _run_vision(graphdef, state, jnp.asarray(pixel_values, jnp.float32), meta,
-                          implementation=self.attention_implementation,
-                          return_hidden_states=return_hidden_states)
+        with use_mesh(self):
+            out = _run_vision(graphdef, state, jnp.asarray(pixel_values, jnp.float32), meta,
+                              implementation=self.attention_implementation,
+                              return_hidden_states=return_hidden_states)
         return out if return_hidden_states else (out.merged, out.deepstack)
 
     # ------------------------------------------------------------------ full model
@@ -387,7 +423,8 @@ class Qwen3VL(nnx.Module):
                                      image_grid_thw, pixel_values_videos, video_grid_thw,
                                      video_pruning=video_pruning, vision_encoder=vision_encoder)
         graphdef, state = nnx.split(self)
-        return _run_forward(graphdef, state, inputs, return_hidden_states=return_hidden_states)
+        with use_mesh(self):
+            return _run_forward(graphdef, state, inputs, return_hidden_states=return_hidden_states)
 
     def forward(self, inputs: MultimodalInputs, *, return_hidden_states: bool = False):
         """Logits `[B, L, V]` (and per-layer hidden states) for prepared inputs; jit / grad friendly."""
@@ -419,17 +456,20 @@ class Qwen3VL(nnx.Module):
         rows = jnp.maximum(inputs.visual_index, 0)
         embeds = jnp.where(is_visual[..., None], features[rows].astype(embeds.dtype), embeds)
         deepstack = jnp.where(is_visual[None, ..., None], deepstack[:, rows].astype(embeds.dtype), 0)
-        return embeds, deepstack
+        return constrain(embeds, "batch", None, None), constrain(deepstack, None, "batch", None, None)
 
     def logits(self, hidden: jnp.ndarray) -> jnp.ndarray:
         """`[..., E] -> [..., V]` through `lm_head`, or the embedding matrix when tied."""
         if self.config.tie_word_embeddings:
-            return self.language_model.embed_tokens.attend(hidden)
-        return self.lm_head(hidden)
+            logits = self.language_model.embed_tokens.attend(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        return constrain(logits, *(("batch",) + (None,) * (logits.ndim - 2) + ("tensor",)))
 
     def generate(self, *args, **kwargs):
         """Token ids `[B, L + new]` like HF's `generate`; see `qwen3vl_jax.generate.generate`."""
-        return generate_tokens(self, *args, **kwargs)
+        with use_mesh(self):
+            return generate_tokens(self, *args, **kwargs)
 
 
 def _check_padding_runs(mask: np.ndarray) -> None:
@@ -544,21 +584,55 @@ def _nest(flat: dict[str, object]) -> dict:
     return tree
 
 
-def _fill_state(state, params: dict[str, object]):
+@dataclasses.dataclass(frozen=True)
+class _Slices:
+    """A parameter still in its file: blocks are read on demand (`SliceReader`)."""
+
+    reader: SliceReader
+    path: str
+    shape: tuple[int, ...]
+
+
+def _place(values: list, leaf, sharding, stacked: bool):
+    """One state leaf from its per-block values (one value unless `stacked`), on `sharding` if given."""
+    if sharding is None:
+        arrays = [jnp.asarray(v, dtype=leaf.dtype) for v in values]
+        return jnp.stack(arrays) if stacked else arrays[0]
+    if isinstance(values[0], _Slices):  # read only the block each device holds
+        dtype = np.dtype(leaf.dtype)
+
+        def block(index):
+            if not stacked:
+                return values[0].reader.read(values[0].path, index, dtype)
+            picked = values[index[0]] if isinstance(index[0], slice) else [values[index[0]]]
+            return np.stack([v.reader.read(v.path, index[1:], dtype) for v in picked])
+
+        return jax.make_array_from_callback(tuple(leaf.shape), sharding, block)
+    if not stacked:
+        return jax.device_put(jnp.asarray(values[0], dtype=leaf.dtype), sharding)
+    return jax.jit(lambda *xs: jnp.stack(xs).astype(leaf.dtype), out_shardings=sharding)(*values)
+
+
+def _fill_state(state, params: dict[str, object], shardings=None):
     """Fill an (abstract) state from `{canonical path: array}`, stacking per-block arrays where the
-    state is stacked. Pops as it goes, so each host copy is freed once its device array exists."""
+    state is stacked. Pops as it goes, so each host copy is freed once its device array exists.
+
+    `shardings` (a pure dict like the state's, of `NamedSharding`): place each leaf on its devices;
+    values may then also be `_Slices` (read block by block, straight into the shards)."""
     pure = nnx.to_pure_dict(state)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(pure)
+    targets = [None] * len(leaves) if shardings is None else jax.tree.leaves(
+        shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     stacked = _stacked_stacks(state)
     values = []
-    for path, leaf in leaves:
+    for (path, leaf), sharding in zip(leaves, targets):
         name = _dotted(path)
         prefix = _stacked_prefix(name, stacked)
         if prefix is None:
-            values.append(jnp.asarray(params.pop(name), dtype=leaf.dtype))
+            values.append(_place([params.pop(name)], leaf, sharding, stacked=False))
             continue
         rest = name[len(prefix) + 1:]
         blocks = [params.pop(f"{prefix}.{i}.{rest}") for i in range(leaf.shape[0])]
-        values.append(jnp.stack([jnp.asarray(b, dtype=leaf.dtype) for b in blocks]))
+        values.append(_place(blocks, leaf, sharding, stacked=True))
     nnx.replace_by_pure_dict(state, jax.tree_util.tree_unflatten(treedef, values))
     return state

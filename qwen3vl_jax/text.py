@@ -29,6 +29,7 @@ from pallas_kernels.attention.mask import AttentionMask
 
 from .config import TextConfig
 from .layers import Linear, RMSNorm, apply_rotary, make_stack, run_stack
+from .sharding import constrain
 
 __all__ = ["TextModel", "TextOutput", "KVCache", "DecoderLayer", "mrope_channel_axes", "mrope_cos_sin"]
 
@@ -70,7 +71,8 @@ class KVCache:
     @classmethod
     def empty(cls, config: TextConfig, batch: int, slots: int, dtype) -> "KVCache":
         shape = (config.num_hidden_layers, batch, slots, config.num_key_value_heads, config.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        # Under a mesh: batch over data x fsdp, kv heads over tensor (`sharding.constrain`).
+        return cls(*(constrain(jnp.zeros(shape, dtype), None, "batch", None, "tensor", None) for _ in range(2)))
 
     @property
     def slots(self) -> int:
@@ -205,6 +207,7 @@ class TextModel(nnx.Module):
                 layer_cache = (lax.dynamic_index_in_dim(keys, index, keepdims=False),
                                lax.dynamic_index_in_dim(values, index, keepdims=False))
             x, layer_cache = layer(x, cos, sin, mask, layer_cache, cache_index, implementation=implementation)
+            x = constrain(x, "batch", None, None)  # the block boundary: batch over data x fsdp
             if keys is not None:
                 keys = lax.dynamic_update_index_in_dim(keys, layer_cache[0], index, 0)
                 values = lax.dynamic_update_index_in_dim(values, layer_cache[1], index, 0)

@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from .._dispatch import IMPLEMENTATIONS, resolve
 from .._shapes import pow2_at_least
@@ -106,7 +107,38 @@ def attention(q, k, v, mask: AttentionMask, *, implementation: str = "auto", blo
     k, v = k.astype(q.dtype), v.astype(q.dtype)
     if not use_pallas:
         return reference.attention(q, k, v, mask.kv_start, mask.kv_end)
-    return _pallas_attention(q, k, v, mask.kv_start, mask.kv_end, interpret, block_q, block_k, num_splits)
+    kernels = functools.partial(_pallas_attention, interpret=interpret, block_q=block_q, block_k=block_k,
+                                num_splits=num_splits)
+    return _under_current_mesh(kernels, q, k, v, mask.kv_start, mask.kv_end)
+
+
+# The mesh convention of the model (`qwen3vl_jax.sharding`): batch over these axes, heads over this one.
+BATCH_AXES = ("data", "fsdp")
+HEAD_AXIS = "tensor"
+
+
+def _under_current_mesh(kernels, q, k, v, kv_start, kv_end):
+    """Run the kernels per device under `shard_map` when a mesh is current (`jax.set_mesh`).
+
+    A Pallas call is opaque to GSPMD, so under a mesh each device runs it on its own rows: the
+    batch split over `BATCH_AXES` and the heads over `HEAD_AXIS`, each where it divides (query
+    and kv heads together, so every query head finds its kv head on the same device); the rest
+    whole. Attention never mixes batch rows or heads, so no communication is needed inside.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return kernels(q, k, v, kv_start, kv_end)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    batch = tuple(a for a in BATCH_AXES if a in sizes)
+    batch_size = 1
+    for a in batch:
+        batch_size *= sizes[a]
+    batch = batch if batch and q.shape[0] % batch_size == 0 else None
+    heads = sizes.get(HEAD_AXIS)
+    head = HEAD_AXIS if heads and q.shape[2] % heads == 0 and k.shape[2] % heads == 0 else None
+    rows, runs = P(batch, None, head, None), P(batch, None)
+    return jax.shard_map(kernels, in_specs=(rows, rows, rows, runs, runs), out_specs=rows,
+                         check_vma=False)(q, k, v, kv_start, kv_end)
 
 
 # ---------------------------------------------------------------------- named masks (kernel tests, benchmarks)

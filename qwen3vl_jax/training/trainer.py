@@ -44,6 +44,7 @@ import optax
 from flax import nnx
 
 from ..model import MODEL_INPUTS
+from ..sharding import use_mesh
 from ..vision import VisionMetadata
 from .loss import chunked_cross_entropy, shift_labels
 from .optim import OptimConfig, build_optimizer, learning_rate_schedule, param_part
@@ -177,11 +178,12 @@ class Trainer:
         total = jnp.zeros((), jnp.float32)
         count = jnp.zeros((), jnp.int32)
         base = jax.random.fold_in(jax.random.key(self.seed), self.step_count)
-        for k, batch in enumerate(micro_batches):
-            inputs, labels = self.prepare(batch)
-            grads, total, count = self._grad((grads, total, count), nnx.to_pure_dict(self.params),
-                                             nnx.to_pure_dict(self.keys), self.rest, inputs, labels,
-                                             jax.random.fold_in(base, k))
+        with use_mesh(self.model):  # a sharded model: its mesh's activation constraints and kernels
+            for k, batch in enumerate(micro_batches):
+                inputs, labels = self.prepare(batch)
+                grads, total, count = self._grad((grads, total, count), nnx.to_pure_dict(self.params),
+                                                 nnx.to_pure_dict(self.keys), self.rest, inputs, labels,
+                                                 jax.random.fold_in(base, k))
         return grads, total, count
 
     def gradients(self, micro_batches):
@@ -202,8 +204,9 @@ class Trainer:
         start = time.perf_counter()
         grads, total, count = self.accumulate(micro_batches)
         lr = float(self._schedule(self.step_count))
-        params, self.opt_state, norm = self._update(nnx.to_pure_dict(self.params), self.opt_state, grads,
-                                                    count)
+        with use_mesh(self.model):
+            params, self.opt_state, norm = self._update(nnx.to_pure_dict(self.params), self.opt_state, grads,
+                                                        count)
         nnx.replace_by_pure_dict(self.params, params)
         nnx.update(self.model, self.params)
         self.step_count += 1
