@@ -125,10 +125,11 @@ def check_mesh(config: Qwen3VLConfig, mesh, *, vision: str = "data") -> None:
              ("language_model.layers.*.self_attn.k_proj.kernel", "kv heads", text.num_key_value_heads)]
     if vision == "tensor":
         heads.append(("visual.blocks.*.attn.qkv.kernel", "vision heads", config.vision.num_heads))
-    for name, what, count in heads:
-        if count % tensor:
-            raise ShardingError(f"{name}: {count} {what} cannot be split over mesh axis 'tensor' of size "
-                                f"{tensor}; choose a tensor size that divides {count}")
+    problems = [f"{name}: {count} {what} cannot be split over mesh axis 'tensor' of size {tensor}"
+                for name, what, count in heads if count % tensor]
+    if problems:
+        counts = sorted({count for _, _, count in heads})
+        raise ShardingError("; ".join(problems) + f" (choose a tensor size that divides {counts})")
 
 
 def param_spec(path: str, shape: tuple[int, ...], mesh, *, vision: str = "data",

@@ -82,7 +82,7 @@ def log(message: str) -> None:
 
 def run(model, data: dict, *, generate: bool = True) -> dict[str, np.ndarray]:
     """Logits, generated ids, vision features, and one train step's gradients and parameters."""
-    import jax
+    from flax import nnx
 
     from qwen3vl_jax.model import MODEL_INPUTS, canonical_params
     from qwen3vl_jax.training import OptimConfig, Trainer
@@ -96,14 +96,21 @@ def run(model, data: dict, *, generate: bool = True) -> dict[str, np.ndarray]:
     merged, deepstack = model.encode_vision(data["pixel_values"], data["image_grid_thw"])
     out["vision"], out["deepstack"] = gather(merged), gather(deepstack)
     log("  vision")
-    trainer = Trainer(model, OptimConfig(learning_rate=1e-3, warmup_steps=0, total_steps=10))
+    # eps well above the gradients' rounding, so AdamW's g / (|g| + eps) stays continuous in g
+    trainer = Trainer(model, OptimConfig(learning_rate=1e-3, warmup_steps=0, total_steps=10, eps=1e-4))
     loss, grads = trainer.gradients([data])
     log("  gradients")
     out["loss"] = np.float64(loss)
-    out["grads"] = np.concatenate([gather(g).ravel() for g in jax.tree.leaves(grads)])
+    grads = canonical_params(nnx.State(grads))  # per-block names whatever the layout
+    out["grads"] = np.concatenate([gather(grads[k]).ravel() for k in sorted(grads)])
+    def flat_params():
+        params = canonical_params(model)
+        return np.concatenate([gather(params[k]).ravel() for k in sorted(params)])
+
+    before = flat_params()
     trainer.step([data])
-    params = canonical_params(model)
-    out["params"] = np.concatenate([gather(params[k]).ravel() for k in sorted(params)])
+    out["params"] = flat_params()
+    out["step_change"] = np.abs(out["params"] - before).max()
     return out
 
 
