@@ -110,17 +110,26 @@ class GenerationConfig:
         file = os.path.join(os.fspath(path), "generation_config.json")
         if not os.path.exists(file):
             return cls()
-        with open(file) as f:
-            raw = json.load(f)
-        return cls(eos_token_ids=_as_ids(raw.get("eos_token_id")), pad_token_id=raw.get("pad_token_id"))
+        try:
+            with open(file, encoding="utf-8") as f:
+                raw = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{file} is not valid JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise ValueError(f"{file} must hold a JSON object, got {type(raw).__name__}")
+        pad = raw.get("pad_token_id")
+        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int)):
+            raise ValueError(f"{file}: pad_token_id must be an integer or null, got {pad!r}")
+        return cls(eos_token_ids=_as_ids(raw.get("eos_token_id"), f"{file}: eos_token_id"), pad_token_id=pad)
 
 
-def _as_ids(value) -> tuple[int, ...]:
+def _as_ids(value, what: str = "eos_token_id") -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, (int, np.integer)):
-        return (int(value),)
-    return tuple(int(v) for v in value)
+    values = [value] if not isinstance(value, (list, tuple)) else list(value)
+    if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in values):
+        raise ValueError(f"{what} must be an integer or a list of integers, got {value!r}")
+    return tuple(int(v) for v in values)
 
 
 # ---------------------------------------------------------------------- sampling

@@ -37,7 +37,7 @@ from pallas_kernels.attention.mask import AttentionMask
 
 from . import pruning as pruning_lib
 from .config import Qwen3VLConfig
-from .convert import SliceReader, is_orbax_dir, load_hf_params, plan_hf_params, restore_orbax, save_hf, save_orbax
+from .convert import SliceReader, is_orbax_dir, plan_hf_params, restore_orbax, save_hf, save_orbax
 from .generate import GenerationConfig
 from .generate import generate as generate_tokens
 from .layers import Linear, use_scan
@@ -146,8 +146,10 @@ class Qwen3VL(nnx.Module):
                         adapter: str | os.PathLike | None = None, mesh=None, vision: str = "data") -> "Qwen3VL":
         """Load an HF checkpoint directory (config.json + safetensors) or one written by `save_orbax`.
 
-        HF weights are read one shard at a time and cast to `param_dtype` (default `dtype`); an Orbax
-        checkpoint is restored against the abstract model, so shapes and dtypes are checked. Either
+        HF weights are checked from the safetensors headers (every problem reported at once), then
+        read tensor by tensor from the memory-mapped files and cast to `param_dtype` (default
+        `dtype`), so the host holds one tensor at a time; an Orbax checkpoint is restored against
+        the abstract model, so shapes and dtypes are checked. Either
         loads into either parameter layout (`scan_layers`). `adapter`: a PEFT LoRA adapter directory
         (`adapter_config.json` + `adapter_model.safetensors`) added on top (`training.lora`).
 
@@ -158,7 +160,7 @@ class Qwen3VL(nnx.Module):
         """
         kwargs = dict(dtype=dtype, param_dtype=param_dtype, attention_implementation=attention_implementation,
                       scan_layers=scan_layers, remat=remat)
-        shardings = None
+        shardings = reader = None
         if is_orbax_dir(path):
             def target(config):  # Orbax holds the canonical per-block layout
                 abstract = cls.abstract(config, **{**kwargs, "scan_layers": False})
@@ -175,37 +177,34 @@ class Qwen3VL(nnx.Module):
             params = {name: leaf for name, leaf in _flat_paths(pure)}
         else:
             config = Qwen3VLConfig.from_hf_config(path)
-            bar = None
-            if progress:
-                from tqdm.auto import tqdm
+            if mesh is not None:
+                from .sharding import check_mesh
 
-                bar = tqdm(desc=f"reading {os.path.basename(os.path.abspath(path))}", unit=" tensors")
-            try:
-                expected = param_shapes(nnx.state(cls.abstract(config, **kwargs), nnx.Param))
-                if mesh is None:
-                    params = load_hf_params(path, expected, config,
-                                            on_tensor=None if bar is None else (lambda name: bar.update()))
-                else:
-                    from .sharding import check_mesh
-
-                    check_mesh(config, mesh, vision=vision)
-                    reader = SliceReader(plan_hf_params(path, expected, config))
-                    params = {name: _Slices(reader, name, shape) for name, (shape, _) in expected.items()}
-            finally:
-                if bar is not None:
-                    bar.close()
+                check_mesh(config, mesh, vision=vision)
+            expected = param_shapes(nnx.state(cls.abstract(config, **kwargs), nnx.Param))
+            # Checked from the headers first; then each array is read as it is placed (one tensor,
+            # or one device's block of it, on the host at a time).
+            reader = SliceReader(plan_hf_params(path, expected, config))
+            params = {name: _Slices(reader, name, shape) for name, (shape, _) in expected.items()}
         graphdef, state = nnx.split(cls.abstract(config, **kwargs))
         if mesh is not None:
             from .sharding import param_shardings
 
             shardings = param_shardings(state, mesh, vision=vision)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(desc=f"reading {os.path.basename(os.path.abspath(path))}", unit=" arrays",
+                       total=len(jax.tree.leaves(state)))
         try:
-            model = nnx.merge(graphdef, _fill_state(state, params, shardings))
+            model = nnx.merge(graphdef, _fill_state(state, params, shardings,
+                                                    on_leaf=None if bar is None else bar.update))
         finally:
-            for value in params.values():
-                if isinstance(value, _Slices):
-                    value.reader.close()
-                    break
+            if bar is not None:
+                bar.close()
+            if reader is not None:
+                reader.close()
         model.generation_config = GenerationConfig.from_pretrained(path)
         if adapter is not None:
             from .training.lora import load_adapter
@@ -596,7 +595,9 @@ class _Slices:
 def _place(values: list, leaf, sharding, stacked: bool):
     """One state leaf from its per-block values (one value unless `stacked`), on `sharding` if given."""
     if sharding is None:
-        arrays = [jnp.asarray(v, dtype=leaf.dtype) for v in values]
+        full = tuple(slice(None) for _ in leaf.shape[int(stacked):])
+        arrays = [jnp.asarray(v.reader.read(v.path, full, np.dtype(leaf.dtype)) if isinstance(v, _Slices) else v,
+                              dtype=leaf.dtype) for v in values]
         return jnp.stack(arrays) if stacked else arrays[0]
     if isinstance(values[0], _Slices):  # read only the block each device holds
         dtype = np.dtype(leaf.dtype)
@@ -613,7 +614,7 @@ def _place(values: list, leaf, sharding, stacked: bool):
     return jax.jit(lambda *xs: jnp.stack(xs).astype(leaf.dtype), out_shardings=sharding)(*values)
 
 
-def _fill_state(state, params: dict[str, object], shardings=None):
+def _fill_state(state, params: dict[str, object], shardings=None, on_leaf=None):
     """Fill an (abstract) state from `{canonical path: array}`, stacking per-block arrays where the
     state is stacked. Pops as it goes, so each host copy is freed once its device array exists.
 
@@ -630,9 +631,11 @@ def _fill_state(state, params: dict[str, object], shardings=None):
         prefix = _stacked_prefix(name, stacked)
         if prefix is None:
             values.append(_place([params.pop(name)], leaf, sharding, stacked=False))
-            continue
-        rest = name[len(prefix) + 1:]
-        blocks = [params.pop(f"{prefix}.{i}.{rest}") for i in range(leaf.shape[0])]
-        values.append(_place(blocks, leaf, sharding, stacked=True))
+        else:
+            rest = name[len(prefix) + 1:]
+            blocks = [params.pop(f"{prefix}.{i}.{rest}") for i in range(leaf.shape[0])]
+            values.append(_place(blocks, leaf, sharding, stacked=True))
+        if on_leaf is not None:
+            on_leaf()
     nnx.replace_by_pure_dict(state, jax.tree_util.tree_unflatten(treedef, values))
     return state

@@ -107,3 +107,19 @@ def test_the_model_takes_what_the_processor_returns(jax_model, processor):
     assert logits.shape[:2] == batch["input_ids"].shape and np.isfinite(logits).all()
     out = jax_model.generate(**batch, max_new_tokens=2)
     assert out.shape == (1, batch["input_ids"].shape[1] + 2)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("{not json", "generation_config.json is not valid JSON"),
+    ("[1, 2]", "generation_config.json must hold a JSON object"),
+    ('{"eos_token_id": "2"}', "eos_token_id must be an integer or a list of integers"),
+    ('{"eos_token_id": [1, 2.5]}', "eos_token_id must be an integer or a list of integers"),
+    ('{"pad_token_id": true}', "pad_token_id must be an integer or null"),
+])
+def test_corrupt_generation_config_names_the_file(tmp_path, text, match):
+    from qwen3vl_jax.generate import GenerationConfig
+
+    (tmp_path / "generation_config.json").write_text(text)
+    with pytest.raises(ValueError, match=match) as info:
+        GenerationConfig.from_pretrained(tmp_path)
+    assert str(tmp_path / "generation_config.json") in str(info.value)
