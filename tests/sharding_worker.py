@@ -134,7 +134,7 @@ def shard_fractions(model, mesh) -> dict[str, np.ndarray]:
     return out
 
 
-def meshes(checkpoint: str, out_path: str) -> None:
+def meshes(checkpoint: str, out_path: str, cases: list[str] | None = None) -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
@@ -152,6 +152,8 @@ def meshes(checkpoint: str, out_path: str) -> None:
         saved[f"single/{key}"] = value
     print(f"single device: {time.perf_counter() - start:.1f}s", flush=True)
     for name, spec, options, from_orbax in CASES:
+        if cases is not None and name not in cases:
+            continue
         start = time.perf_counter()
         mesh = make_mesh(spec)
         options = {"attention_implementation": "xla", **options}
@@ -190,9 +192,13 @@ def main(argv=None) -> int:
     parser.add_argument("out")
     parser.add_argument("--coordinator")
     parser.add_argument("--process-id", type=int)
+    parser.add_argument("--cases", nargs="*", help="the names of the CASES to run (default: all)")
     args = parser.parse_args(argv)
     if args.mode == "meshes":
-        meshes(args.checkpoint, args.out)
+        unknown = set(args.cases or ()) - {name for name, *_ in CASES}
+        if unknown:
+            parser.error(f"unknown cases {sorted(unknown)}")
+        meshes(args.checkpoint, args.out, args.cases)
     else:
         process(args.checkpoint, args.out, args.coordinator, args.process_id)
     return 0

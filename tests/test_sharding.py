@@ -17,7 +17,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import TORCH_FREE_LANE, assert_close
 
 from qwen3vl_jax.sharding import ShardingError, check_mesh, make_mesh, param_spec, parse_mesh
 
@@ -26,6 +26,8 @@ WORKER = os.path.join(os.path.dirname(__file__), "sharding_worker.py")
 SHARDABLE = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16, mrope_section=(4, 2, 2))
 MESH_CASES = ["data=8", "fsdp=8", "data=2,tensor=4", "fsdp=2,tensor=4", "fsdp=2,tensor=4 scan orbax",
               "data=2,tensor=4 vision=tensor pallas"]
+if TORCH_FREE_LANE:  # the newest-JAX lane checks a subset (each case compiles the model ~4 times)
+    MESH_CASES = ["data=8", "fsdp=2,tensor=4 scan orbax", "data=2,tensor=4 vision=tensor pallas"]
 
 
 def _env() -> dict[str, str]:
@@ -47,8 +49,8 @@ def shardable_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def mesh_results(shardable_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("meshes") / "results.npz")
-    proc = subprocess.run([sys.executable, WORKER, "meshes", shardable_dir, out], env=_env(), capture_output=True,
-                          text=True, timeout=1800)
+    proc = subprocess.run([sys.executable, WORKER, "meshes", shardable_dir, out, "--cases", *MESH_CASES],
+                          env=_env(), capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return dict(np.load(out))
 
@@ -74,9 +76,9 @@ def test_addressable_shards_are_the_spec_fraction(mesh_results, case):
     assert "language_model.layers.0.self_attn.q_proj.kernel" in fractions
     for name, (actual, implied) in fractions.items():
         assert actual == pytest.approx(implied), f"{case}: {name} holds {actual} of the tensor, spec says {implied}"
-    q = fractions["language_model.layers.0.self_attn.q_proj.kernel"][0]
-    expected_q = {"data=8": 1.0, "fsdp=8": 1 / 8, "data=2,tensor=4": 1 / 4}.get(case, 1 / 8)
-    assert q == pytest.approx(expected_q), case
+    sizes = parse_mesh(case.split()[0])
+    q = fractions["language_model.layers.0.self_attn.q_proj.kernel"][0]  # (fsdp, tensor)
+    assert q == pytest.approx(1 / (sizes["fsdp"] * sizes["tensor"])), case
     vision = fractions["visual.blocks.0.attn.qkv.kernel"][0]
     assert vision == pytest.approx(1 / 4 if "vision=tensor" in case else 1.0), case
 
