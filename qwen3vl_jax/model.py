@@ -183,14 +183,16 @@ class Qwen3VL(nnx.Module):
         return model
 
     def save_orbax(self, directory: str | os.PathLike) -> str:
-        """Write the parameters (canonical per-block layout) and the config as Orbax under `directory/orbax`."""
+        """Write the parameters (canonical per-block layout) and the config as Orbax under `directory/orbax`
+        (each parameter is copied to the host as it is written, one at a time)."""
         return save_orbax(_nest(canonical_params(self)), self.config, directory)
 
     def save_hf(self, directory: str | os.PathLike, *, dtype: str | None = None,
                 max_shard_bytes: int | None = None) -> str:
-        """Export HF safetensors + config.json that `Qwen3VLForConditionalGeneration` loads."""
-        params = {path: np.asarray(leaf) for path, leaf in canonical_params(self).items()}
-        return save_hf(params, self.config, directory, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        """Export HF safetensors + config.json that `Qwen3VLForConditionalGeneration` loads (each
+        parameter is copied to the host as it is written, one at a time)."""
+        return save_hf(canonical_params(self), self.config, directory, dtype=dtype,
+                       max_shard_bytes=max_shard_bytes)
 
     # ------------------------------------------------------------------ vision
 
