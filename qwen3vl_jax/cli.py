@@ -8,10 +8,12 @@ prefill, decode tokens/s), cold (with compilation) and warm. `--model DIR` runs 
 
 `qwen3vl-jax generate --prompt ... [--image F] [--video F]` answers one prompt, streaming tokens.
 
-`qwen3vl-jax convert HF_DIR OUT_DIR [--dtype bfloat16]` reads an HF checkpoint (one safetensors
-shard at a time, strictly checked) and writes an Orbax checkpoint plus the tokenizer / processor
-files, which `Qwen3VL.from_pretrained(OUT_DIR)` and the processor read. `--to hf` exports
-safetensors instead (e.g. after editing weights).
+`qwen3vl-jax convert HF_DIR OUT_DIR [--dtype bfloat16]` reads an HF checkpoint (strictly checked
+from its headers first) and writes an Orbax checkpoint plus the tokenizer / processor files, which
+`Qwen3VL.from_pretrained(OUT_DIR)` and the processor read. `--to hf` exports safetensors instead
+(from an HF or a converted directory; shards of at most `--max-shard-bytes`). Either way it streams:
+one tensor is read, transformed, cast and written at a time, so the host memory it needs does not
+grow with the model (`convert.convert_checkpoint`).
 """
 
 from __future__ import annotations
@@ -158,30 +160,44 @@ def run_generate(args) -> None:
     print(f"\n[{prompt_len} prompt tokens, {out.shape[1] - prompt_len} generated]")
 
 
-def run_convert(args) -> None:
+def expected_params(config):
+    """`{canonical path: (shape, dtype)}` of the model `config` describes (no memory is allocated)."""
+    from flax import nnx
+
+    from .model import Qwen3VL, param_shapes
+
+    return param_shapes(nnx.state(Qwen3VL.abstract(config, scan_layers=False), nnx.Param))
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory: `VmHWM` where Linux has it (it starts afresh at exec,
+    unlike `ru_maxrss`, which keeps the pages a forked child shared with its parent), else `ru_maxrss`."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
 
-    import jax.numpy as jnp
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
-    from .convert import atomic_directory, copy_side_files
-    from .model import Qwen3VL, count_params
 
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+def run_convert(args) -> None:
+    from tqdm.auto import tqdm
+
+    from .convert import convert_checkpoint, storage_dtype
+
     start = time.perf_counter()
-    # Refuse a non-empty target before the (long) read, and again when renaming into place.
-    with atomic_directory(args.out, overwrite=args.overwrite) as tmp:
-        model = Qwen3VL.from_pretrained(args.source, dtype=dtype, progress=True)
-        if args.to == "orbax":
-            model.save_orbax(tmp)
-        else:
-            model.save_hf(tmp, dtype=args.dtype, max_shard_bytes=args.max_shard_bytes)
-        # An HF export writes its own config.json; an Orbax directory keeps the source's beside the
-        # weights. Side files are written before the directory becomes visible under its name.
-        copied = copy_side_files(args.source, tmp, skip=("config.json",) if args.to == "hf" else ())
-    n = count_params(model)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB on Linux
+    with tqdm(desc=f"converting {os.path.basename(os.path.abspath(args.source))}", unit=" tensors") as bar:
+        _, n, copied = convert_checkpoint(
+            args.source, args.out, expected_params, to=args.to, dtype=args.dtype,
+            max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite,
+            on_tensor=lambda name: bar.update())
+    peak = peak_rss_bytes() / 2**30
     print(f"wrote {args.to} checkpoint to {args.out}: {n:,} parameters in {args.dtype} "
-          f"({n * jnp.dtype(dtype).itemsize / 2**30:.2f} GiB), {len(copied)} side files, "
+          f"({n * storage_dtype(args.dtype).itemsize / 2**30:.2f} GiB), {len(copied)} side files, "
           f"{time.perf_counter() - start:.1f} s, peak host memory {peak:.2f} GiB")
 
 
@@ -200,6 +216,8 @@ def run_finetune(args) -> int:
 
 
 def main(argv=None) -> int:
+    from .convert import DEFAULT_MAX_SHARD_BYTES
+
     parser = argparse.ArgumentParser(prog="qwen3vl-jax", description="Qwen3-VL in JAX, Flax NNX and Pallas")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text, prompt in (
@@ -221,7 +239,9 @@ def main(argv=None) -> int:
     convert.add_argument("out", help="output directory")
     convert.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     convert.add_argument("--to", choices=("orbax", "hf"), default="orbax")
-    convert.add_argument("--max-shard-bytes", type=int, default=None, help="shard size for --to hf")
+    convert.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES,
+                         help="largest safetensors shard for --to hf (default 5e9; memory does not depend "
+                              "on it: tensors are written one at a time)")
     convert.add_argument("--overwrite", action="store_true",
                          help="replace a non-empty output directory (by default it is refused)")
     tune = sub.add_parser("finetune", help="supervised fine-tuning (full or LoRA) on a JSONL conversation file")

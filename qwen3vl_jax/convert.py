@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
+import struct
 from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
@@ -30,10 +32,21 @@ __all__ = [
     "partition_spec",
     "safetensors_files",
     "iter_hf_tensors",
+    "iter_hf_headers",
+    "LazyTensor",
+    "plan_hf_params",
     "load_hf_params",
     "plan_hf_params",
-    "SliceReader",
     "export_hf_tensors",
+    "export_hf_lazy",
+    "open_orbax_params",
+    "write_orbax",
+    "save_orbax",
+    "restore_orbax",
+    "write_safetensors",
+    "save_hf",
+    "convert_checkpoint",
+    "DEFAULT_MAX_SHARD_BYTES",
 ]
 
 
@@ -45,22 +58,19 @@ class CheckpointError(ValueError):
 class Transform:
     """A named, invertible map between an HF tensor and our parameter.
 
-    `ours_shape` maps an HF shape to ours (for checking a checkpoint from its headers alone);
-    `read` builds a block of our parameter, `our_index` (a tuple of slices), from a reader of HF
-    blocks (`get(hf_index) -> ndarray`), so a device reads only the slice it holds.
+    `read(get, index)` builds the block `index` (a tuple of slices) of our parameter from a reader
+    of HF blocks (`get(hf_index) -> ndarray`), so a device reads only the slice it holds.
     """
 
     name: str
     to_ours: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray, Qwen3VLConfig], np.ndarray]
-    ours_shape: Callable[[tuple[int, ...]], tuple[int, ...]]
     read: Callable[[Callable[[tuple], np.ndarray], tuple], np.ndarray]
 
 
-IDENTITY = Transform("identity", lambda a: a, lambda a, c: a, lambda s: tuple(s), lambda get, index: get(index))
+IDENTITY = Transform("identity", lambda a: a, lambda a, c: a, lambda get, index: get(index))
 # torch Linear stores [out, in]; nnx.Linear's kernel is [in, out].
-LINEAR = Transform("linear_transpose", lambda a: a.T, lambda a, c: a.T, lambda s: tuple(s)[::-1],
-                   lambda get, index: get(tuple(index)[::-1]).T)
+LINEAR = Transform("linear_transpose", lambda a: a.T, lambda a, c: a.T, lambda get, index: get(tuple(index)[::-1]).T)
 # A Conv3d with kernel == stride over a [C, T, p, p] patch is a linear map of the flattened patch:
 # weight [E, C, T, p, p] -> kernel [C*T*p*p, E] (the flattening order of `pixel_values` rows).
 def _conv3d_to_ours(a: np.ndarray) -> np.ndarray:
@@ -74,7 +84,6 @@ CONV3D_AS_LINEAR = Transform(
         c.vision.hidden_size, c.vision.in_channels, c.vision.temporal_patch_size, c.vision.patch_size,
         c.vision.patch_size,
     ),
-    lambda s: (int(np.prod(s[1:])), s[0]),
     lambda get, index: _conv3d_to_ours(get(tuple(index[1:2])))[index[0]],
 )
 
@@ -217,57 +226,229 @@ def iter_hf_tensors(directory: str | os.PathLike) -> Iterator[tuple[str, str, np
                 yield file, name, f.get_tensor(name)
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorSource:
-    """Where one of our parameters lives in an HF checkpoint: file, HF name and transform."""
+def iter_hf_headers(directory: str | os.PathLike) -> Iterator[tuple[str, str, tuple[int, ...], str]]:
+    """Yield (shard file, HF name, shape, safetensors dtype name) from the headers alone (no data is read)."""
+    from safetensors import SafetensorError, safe_open
 
-    file: str
-    name: str
-    transform: Transform
+    for file in safetensors_files(directory):
+        try:
+            with safe_open(file, framework="np") as f:
+                entries = [(name, f.get_slice(name)) for name in f.keys()]
+                entries = [(name, tuple(int(d) for d in s.get_shape()), s.get_dtype()) for name, s in entries]
+        except SafetensorError as e:
+            raise CheckpointError(
+                f"{file}: cannot read the safetensors file (truncated or corrupt?): {e}") from e
+        for name, shape, dtype in entries:
+            yield file, name, shape, dtype
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a safetensors dtype name ("F32", "BF16", ...)."""
+    import ml_dtypes
+
+    names = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+             "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+             "BOOL": np.bool_}
+    if name not in names:
+        raise CheckpointError(f"unsupported safetensors dtype {name}")
+    return np.dtype(names[name])
+
+
+def _safetensors_dtype(dtype: np.dtype) -> str:
+    """The safetensors dtype name of a numpy dtype (the inverse of `_numpy_dtype`)."""
+    for name in ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL"):
+        if np.dtype(dtype) == _numpy_dtype(name):
+            return name
+    raise ValueError(f"no safetensors dtype for {np.dtype(dtype)}")
+
+
+def _read_hf_tensor(file: str, name: str) -> np.ndarray:
+    """One tensor of a safetensors file, read (not memory-mapped) into one new array: the host holds
+    the tensor once, and no mapped pages of the file count against the process."""
+    problem = f"{file}: cannot read the safetensors file (truncated or corrupt?)"
+    try:
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            info = json.loads(f.read(size))[name]
+            dtype = _numpy_dtype(info["dtype"])
+            begin, end = (int(x) for x in info["data_offsets"])
+            count = (end - begin) // dtype.itemsize
+            f.seek(8 + size + begin)
+            array = np.fromfile(f, dtype=dtype, count=count)
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        raise CheckpointError(f"{problem}: {name}: {e!r}") from e
+    if array.size != count or count != int(np.prod(info["shape"], dtype=np.int64)):
+        raise CheckpointError(f"{problem}: {name} has {array.size} of {count} elements")
+    return array.reshape(info["shape"])
+
+
+def _release_freed_memory() -> None:
+    """Hand memory freed by the last tensor back to the OS (glibc keeps freed heap pages, e.g. of
+    the writer threads' buffers, which would otherwise add up in the process's resident size)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+# ---------------------------------------------------------------------- lazy tensors
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LazyTensor:
+    """A tensor known by its shape and dtype, read only when `load()` is called.
+
+    The streaming writers take these and load each one just before writing it, so a conversion
+    holds one tensor (plus its source copy) on the host at a time. `source` names it in messages
+    (the HF name or our path).
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    load: Callable[[], np.ndarray]
+    source: str = ""
+    read_block: Callable[[tuple], np.ndarray] | None = None
+
+    def block(self, index: tuple) -> np.ndarray:
+        """`tensor[index]` (a tuple of slices, as `jax.make_array_from_callback` asks for a device's
+        shard), reading only that block's bytes where the source allows (`read_block`)."""
+        if self.read_block is None:
+            return self.checked(self.load())[tuple(index)]
+        return np.asarray(self.read_block(tuple(index)), dtype=self.dtype, order="C")
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+    def checked(self, array) -> np.ndarray:
+        """`array` as C-contiguous numpy of exactly this shape and dtype (or an error naming it)."""
+        array = np.asarray(array, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
+        if tuple(array.shape) != tuple(self.shape) or array.dtype != np.dtype(self.dtype):
+            raise CheckpointError(f"{self.source or 'a tensor'} loaded as {array.dtype}{list(array.shape)}, "
+                                  f"expected {np.dtype(self.dtype)}{list(self.shape)}")
+        return array
+
+
+def as_lazy(value, source: str = "") -> LazyTensor:
+    """`value` (a numpy or jax array, or a `LazyTensor`) as a `LazyTensor`; an array is copied to the
+    host (`np.asarray`) only when loaded."""
+    if isinstance(value, LazyTensor):
+        return value
+    shape = tuple(int(d) for d in value.shape)
+    return LazyTensor(shape, np.dtype(value.dtype), lambda: np.asarray(value), source)
+
+
+def _transformed_shape(fn: Callable, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape `fn` (a transpose / reshape) gives an array of `shape`, computed without data."""
+    import jax
+
+    return tuple(int(d) for d in jax.eval_shape(fn, jax.ShapeDtypeStruct(shape, np.float32)).shape)
+
+
+def _load_to_ours(file: str, name: str, transform: Transform, dtype: np.dtype) -> np.ndarray:
+    # transform (a view) and cast in one copy, straight into C order
+    return np.asarray(transform.to_ours(_read_hf_tensor(file, name)), dtype=dtype, order="C")
+
+
+def _read_hf_block(file: str, name: str, transform: Transform, index: tuple) -> np.ndarray:
+    """The block `index` of our parameter from HF tensor `name`, through the memory-mapped file:
+    only the pages of that block are touched (for a transposed weight, a strided slice)."""
+    with _open_safetensors(file) as f:
+        handle = f.get_slice(name)
+        return np.asarray(transform.read(lambda hf_index: handle[tuple(hf_index)], index))
+
+
+def _load_to_hf(load: Callable[[], np.ndarray], transform: Transform, config: Qwen3VLConfig,
+                dtype: np.dtype | None) -> np.ndarray:
+    value = transform.to_hf(np.asarray(load()), config)
+    return np.asarray(value, dtype=dtype or value.dtype, order="C")
+
+
+def _with_callback(tensors: Mapping[str, LazyTensor], callback: Callable[[str], None] | None
+                   ) -> dict[str, LazyTensor]:
+    """The same tensors, calling `callback(source)` after each load (progress)."""
+    if callback is None:
+        return dict(tensors)
+
+    def load(t: LazyTensor):
+        value = t.load()
+        callback(t.source)
+        return value
+
+    return {k: dataclasses.replace(t, load=functools.partial(load, t)) for k, t in tensors.items()}
+
+
+# ---------------------------------------------------------------------- loading and exporting
 
 
 def plan_hf_params(
     directory: str | os.PathLike,
     expected: Mapping[str, tuple[tuple[int, ...], np.dtype]],
     config: Qwen3VLConfig,
-) -> dict[str, TensorSource]:
-    """Match an HF checkpoint to `expected` (`{our path: (shape, dtype)}`) from the safetensors
-    headers alone: `{our path: TensorSource}`. Strict: raises `CheckpointError` listing every
-    problem at once (unexpected, duplicate, missing tensors and shape mismatches)."""
-    sources: dict[str, TensorSource] = {}
+    *,
+    dtype=None,
+) -> dict[str, LazyTensor]:
+    """Check an HF checkpoint against `expected` from its headers alone, and plan the reads.
+
+    `expected` maps each of our parameter paths to its (shape, dtype). Returns `{our path:
+    LazyTensor}` whose `load()` reads the HF tensor, applies the rule's transform and casts to
+    `dtype` (default: the expected dtype). Every problem (a tensor twice, unexpected, without a
+    rule, filling a parameter twice, of the wrong shape, or missing) is found here, before any
+    data is read, and all are raised together as one `CheckpointError`.
+    """
+    out: dict[str, LazyTensor] = {}
     problems: list[str] = []
     seen: dict[str, str] = {}  # HF name -> file
     claimed: dict[str, str] = {}  # our path -> HF name (also for tensors rejected on shape)
-    for file in safetensors_files(directory):
-        with _open_safetensors(file) as f:
-            headers = [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]
-        for name, hf_shape in headers:
-            if name in seen:
-                problems.append(f"tensor {name} appears twice ({seen[name]} and {file})")
-                continue
-            seen[name] = file
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                continue  # tied: the logits reuse embed_tokens; a stored copy is redundant
-            target = hf_to_ours_name(name)
-            if target is None:
-                problems.append(f"unexpected tensor {name} {list(hf_shape)} (no conversion rule)")
-                continue
-            path, transform = target
-            if path not in expected:
-                problems.append(f"unexpected tensor {name} {list(hf_shape)} (the model has no {path})")
-                continue
-            if path in claimed:
-                problems.append(f"tensors {claimed[path]} and {name} both fill {path}")
-                continue
-            claimed[path] = name
-            shape = tuple(expected[path][0])
-            ours = tuple(transform.ours_shape(hf_shape)) if hf_shape else ()
-            if ours != shape:
-                problems.append(f"shape mismatch for {name}: checkpoint {list(hf_shape)} -> {list(ours)} "
-                                f"after {transform.name}, model expects {list(shape)}")
-                continue
-            sources[path] = TensorSource(file, name, transform)
-    for path in sorted(set(expected) - set(claimed)):
+    for file, name, stored_shape, _ in iter_hf_headers(directory):
+        if name in seen:
+            problems.append(f"tensor {name} appears twice ({seen[name]} and {file})")
+            continue
+        seen[name] = file
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: the logits reuse embed_tokens; a stored copy is redundant
+        target = hf_to_ours_name(name)
+        if target is None:
+            problems.append(f"unexpected tensor {name} {list(stored_shape)} (no conversion rule)")
+            continue
+        path, transform = target
+        if path not in expected:
+            problems.append(f"unexpected tensor {name} {list(stored_shape)} (the model has no {path})")
+            continue
+        if path in claimed:
+            problems.append(f"tensors {claimed[path]} and {name} both fill {path}")
+            continue
+        claimed[path] = name
+        shape, want_dtype = expected[path]
+        try:
+            ours_shape = _transformed_shape(transform.to_ours, stored_shape)
+        except (TypeError, ValueError) as e:
+            problems.append(f"shape mismatch for {name}: checkpoint {list(stored_shape)} does not fit "
+                            f"{transform.name} ({e}), model expects {list(shape)}")
+            continue
+        if ours_shape != tuple(shape):
+            problems.append(
+                f"shape mismatch for {name}: checkpoint {list(stored_shape)} -> {list(ours_shape)} "
+                f"after {transform.name}, model expects {list(shape)}"
+            )
+            continue
+        want = np.dtype(dtype or want_dtype)
+        load = functools.partial(_load_to_ours, file, name, transform, want)
+        out[path] = LazyTensor(ours_shape, want, load, name, functools.partial(_read_hf_block, file, name, transform))
+    missing = sorted(set(expected) - set(claimed))
+    for path in missing:
         try:
             hf_name = ours_to_hf_name(path)[0]
         except KeyError:
@@ -278,7 +459,7 @@ def plan_hf_params(
             f"{os.fspath(directory)}: {len(problems)} problem(s) loading the checkpoint:\n  - "
             + "\n  - ".join(problems)
         )
-    return sources
+    return out
 
 
 def load_hf_params(
@@ -292,55 +473,12 @@ def load_hf_params(
     """Read an HF checkpoint into `{our path: array}` for exactly the parameters in `expected`.
 
     `expected` maps each of our parameter paths to its (shape, dtype). Arrays are cast to `dtype`
-    (default: the expected dtype). The checkpoint is checked first (`plan_hf_params`), then read
-    one shard at a time. Raises `CheckpointError` listing every problem at once.
+    (default: the expected dtype). Raises `CheckpointError` listing every problem at once (found
+    from the headers by `plan_hf_params`, before any data is read). `on_tensor(hf_name)` is called
+    after each tensor is read.
     """
-    sources = plan_hf_params(directory, expected, config)
-    by_file: dict[str, list[str]] = {}
-    for path, source in sources.items():
-        by_file.setdefault(source.file, []).append(path)
-    out: dict[str, np.ndarray] = {}
-    for file, paths in by_file.items():
-        with _open_safetensors(file) as f:
-            for path in paths:
-                source = sources[path]
-                if on_tensor is not None:
-                    on_tensor(source.name)
-                value = source.transform.to_ours(f.get_tensor(source.name))
-                out[path] = np.ascontiguousarray(value.astype(dtype or expected[path][1], copy=False))
-    return out
-
-
-class SliceReader:
-    """Reads blocks of our parameters from an HF checkpoint (`plan_hf_params`' sources), keeping
-    each safetensors file open (memory-mapped) until `close`: `read(path, index, dtype)` returns
-    `param[index]` having read only that block's bytes (plus, for the patch embedding, its rows)."""
-
-    def __init__(self, sources: Mapping[str, TensorSource]):
-        self.sources = dict(sources)
-        self._stack = contextlib.ExitStack()
-        self._files: dict[str, object] = {}
-
-    def _file(self, file: str):
-        if file not in self._files:
-            self._files[file] = self._stack.enter_context(_open_safetensors(file))
-        return self._files[file]
-
-    def read(self, path: str, index: tuple, dtype) -> np.ndarray:
-        source = self.sources[path]
-        handle = self._file(source.file).get_slice(source.name)
-        block = source.transform.read(lambda hf_index: handle[tuple(hf_index)], tuple(index))
-        return np.ascontiguousarray(np.asarray(block).astype(dtype, copy=False))
-
-    def close(self) -> None:
-        self._stack.close()
-        self._files.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+    plan = _with_callback(plan_hf_params(directory, expected, config, dtype=dtype), on_tensor)
+    return {path: tensor.load() for path, tensor in plan.items()}
 
 
 def export_hf_tensors(params: Mapping[str, np.ndarray], config: Qwen3VLConfig) -> dict[str, np.ndarray]:
@@ -350,6 +488,21 @@ def export_hf_tensors(params: Mapping[str, np.ndarray], config: Qwen3VLConfig) -
         name, transform = ours_to_hf_name(path)
         tensors[name] = np.ascontiguousarray(transform.to_hf(np.asarray(value), config))
     return tensors
+
+
+def export_hf_lazy(params: Mapping[str, object], config: Qwen3VLConfig, *,
+                   dtype=None) -> dict[str, LazyTensor]:
+    """`{our path: array or LazyTensor}` -> `{HF name: LazyTensor}`: `export_hf_tensors` one tensor at
+    a time, cast to `dtype` (default: each tensor's own) when loaded."""
+    out = {}
+    for path, value in params.items():
+        value = as_lazy(value, path)
+        name, transform = ours_to_hf_name(path)
+        shape = _transformed_shape(lambda a, t=transform: t.to_hf(a, config), value.shape)
+        want = np.dtype(dtype) if dtype is not None else np.dtype(value.dtype)
+        load = functools.partial(_load_to_hf, value.load, transform, config, want)
+        out[name] = LazyTensor(shape, want, load, name)
+    return out
 
 
 # ---------------------------------------------------------------------- Orbax and HF directories
@@ -424,43 +577,218 @@ def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike, skip: tuple[
     return copied
 
 
+# ---------------------------------------------------------------------- Orbax, streamed
+
+# Orbax stores each array in chunks, and its data files, of at most this many bytes. Small pieces
+# keep the writer's and the reader's buffers small (measured on a 1.2 GB tensor: ~0.4 GB of
+# transient buffers at 64 MiB, ~0.9 GB at Orbax's default 2 GiB), and a sharded restore reads only
+# the chunks its devices need.
+ORBAX_CHUNK_BYTES = 64 * 2**20
+
+
+def _nest_paths(flat: Mapping[str, object]) -> dict:
+    """`{dotted path: leaf}` -> the nested dict Orbax stores (integer keys for block indices)."""
+    tree: dict = {}
+    for path, leaf in flat.items():
+        node = tree
+        keys = [int(k) if k.isdigit() else k for k in path.split(".")]
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = leaf
+    return tree
+
+
+def _flatten_paths(tree, is_leaf=None) -> dict[str, object]:
+    import jax
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+
+    def dotted(path) -> str:
+        return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+    return {dotted(path): leaf for path, leaf in leaves}
+
+
+@functools.cache
+def _orbax_lazy_registry():
+    """An Orbax type-handler registry that writes `LazyTensor` leaves one at a time.
+
+    Orbax serializes all leaves of one type in one batch; for arrays it gets them already in
+    memory. `LazyTensor`s are instead loaded, written (through Orbax's own numpy writer, so the
+    stored format is Orbax's) and freed one after the other. Sharded `jax.Array`s that this host
+    cannot gather keep Orbax's array handler (each host writes its own shards).
+    """
+    import asyncio
+
+    import jax
+    import orbax.checkpoint as ocp
+
+    class LazyTensorHandler(ocp.type_handlers.NumpyHandler):
+        async def serialize(self, values, infos, args=None):
+            args = args or [ocp.type_handlers.SaveArgs()] * len(values)
+            return [ocp.future.CommitFutureAwaitingContractedSignals(
+                self._write_one_at_a_time(values, infos, args), name="lazy_tensor_handler")]
+
+        async def _write_one_at_a_time(self, values, infos, args):
+            for value, info, arg in zip(values, infos, args):
+                if jax.process_index() != 0:  # numpy leaves are written by the primary process alone
+                    continue
+                array = value.checked(await asyncio.to_thread(value.load))  # off the event loop
+                await self._background_serialize([array], [info], [arg])
+                del array
+                _release_freed_memory()
+
+    return ocp.type_handlers.create_type_handler_registry(
+        (LazyTensor, LazyTensorHandler()),
+        (jax.Array, ocp.type_handlers.get_type_handler(jax.Array)),
+    )
+
+
+def write_orbax(params, config: Qwen3VLConfig, directory: str | os.PathLike) -> str:
+    """Write `{directory}/orbax/0/{params, config}` one tensor at a time (no atomic rename: see `save_orbax`).
+
+    `params`: the nested dict of the canonical layout (`{"language_model": {"layers": {0: ...}}}`).
+    Leaves may be `LazyTensor`s (loaded as written), numpy arrays, or `jax.Array`s (copied to the
+    host one at a time; a sharded array spanning hosts is written by Orbax shard by shard instead).
+    """
+    import jax
+    import orbax.checkpoint as ocp
+
+    def is_leaf(x):
+        return isinstance(x, LazyTensor)
+
+    def leaf(path, value):
+        if isinstance(value, jax.Array) and not value.is_fully_addressable:
+            return value
+        return as_lazy(value, path)
+
+    tree = _nest_paths({path: leaf(path, value) for path, value in _flatten_paths(params, is_leaf).items()})
+    save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=ORBAX_CHUNK_BYTES), tree, is_leaf=is_leaf)
+    root = os.path.join(os.fspath(directory), ORBAX_SUBDIR)
+    handlers = {"params": ocp.PyTreeCheckpointHandler(type_handler_registry=_orbax_lazy_registry()),
+                "config": ocp.JsonCheckpointHandler()}
+    with ocp.CheckpointManager(root, item_handlers=handlers) as manager:
+        params = ocp.args.PyTreeSave(tree, save_args=save_args, ocdbt_target_data_file_size=ORBAX_CHUNK_BYTES)
+        manager.save(0, args=ocp.args.Composite(params=params, config=ocp.args.JsonSave(config.to_hf_dict())))
+        manager.wait_until_finished()
+    return root
+
+
 def save_orbax(params_tree, config: Qwen3VLConfig, directory: str | os.PathLike, *,
                overwrite: bool = False) -> str:
     """Write `{directory}/orbax/0/{params, config}`: the parameter tree and the config as JSON.
 
-    Written through `atomic_directory`: a non-empty `directory` is refused unless `overwrite`.
+    Streamed by `write_orbax` (one tensor on the host at a time), through `atomic_directory`: a
+    non-empty `directory` is refused unless `overwrite`.
     """
+    with atomic_directory(directory, overwrite=overwrite) as tmp:
+        write_orbax(params_tree, config, tmp)
+    return os.path.join(os.path.abspath(os.fspath(directory)), ORBAX_SUBDIR)
+
+
+def _orbax_handlers(params_handler: str) -> dict:
     import orbax.checkpoint as ocp
 
-    with atomic_directory(directory, overwrite=overwrite) as tmp:
-        with ocp.CheckpointManager(os.path.join(tmp, ORBAX_SUBDIR)) as manager:
-            manager.save(0, args=ocp.args.Composite(
-                params=ocp.args.StandardSave(params_tree), config=ocp.args.JsonSave(config.to_hf_dict())))
-            manager.wait_until_finished()
-    return os.path.join(os.path.abspath(os.fspath(directory)), ORBAX_SUBDIR)
+    if params_handler == "standard":
+        return {"params": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
+    return {"params": ocp.PyTreeCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
+
+
+def _check_orbax_params(manager, step: int, root: str, expected: Mapping[str, tuple[int, ...]]) -> None:
+    """Compare the stored tree (Orbax's metadata: names and shapes, no data) with `{our path: shape}`;
+    every missing, unexpected or mis-shaped parameter is reported in one `CheckpointError`."""
+    stored = {path: tuple(int(d) for d in m.shape)
+              for path, m in _flatten_paths(manager.item_metadata(step)["params"].tree).items()}
+    expected = {path: tuple(int(d) for d in shape) for path, shape in expected.items()}
+    problems = [f"missing parameter {p} {list(expected[p])}" for p in sorted(set(expected) - set(stored))]
+    problems += [f"unexpected parameter {p} {list(stored[p])} (the model has no {p})"
+                 for p in sorted(set(stored) - set(expected))]
+    problems += [f"shape mismatch for {p}: checkpoint {list(stored[p])}, model expects {list(expected[p])}"
+                 for p in sorted(set(stored) & set(expected)) if stored[p] != expected[p]]
+    if problems:
+        raise CheckpointError(f"{root}: the Orbax checkpoint does not match the model: {len(problems)} "
+                              "problem(s):\n  - " + "\n  - ".join(problems))
+
+
+def _open_orbax(root: str, params_handler: str):
+    """(manager, step, config) of `save_orbax`'s layout, reading the parameters with Orbax's
+    "standard" or "pytree" handler; the caller closes the manager."""
+    import orbax.checkpoint as ocp
+
+    manager = ocp.CheckpointManager(root, item_handlers=_orbax_handlers(params_handler))
+    step = manager.latest_step()
+    if step is None:
+        manager.close()
+        raise CheckpointError(f"{root}: no finished Orbax checkpoint")
+    raw = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    return manager, step, Qwen3VLConfig.from_hf_config(raw.config)
 
 
 def restore_orbax(directory: str | os.PathLike, abstract_tree_for):
     """Restore (config, params) from `save_orbax`'s layout.
 
     `abstract_tree_for(config)` gives the restore target (a tree of `ShapeDtypeStruct`), so the
-    arrays come back with the shapes and dtypes the model expects, never guessed from the files.
+    arrays come back with the shapes and dtypes the model expects, never guessed from the files. A
+    leaf with a `sharding` is placed into it, each host reading only the chunks its devices need.
+    The stored names and shapes are checked against the target first (`CheckpointError` listing
+    every difference).
     """
     import orbax.checkpoint as ocp
 
     root = os.path.abspath(os.path.join(os.fspath(directory), ORBAX_SUBDIR))
-    with ocp.CheckpointManager(root) as manager:
-        step = manager.latest_step()
-        if step is None:
-            raise CheckpointError(f"{root}: no finished Orbax checkpoint")
-        raw = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-        config = Qwen3VLConfig.from_hf_config(raw.config)
+    manager, step, config = _open_orbax(root, "standard")
+    with manager:
         target = abstract_tree_for(config)
+        shapes = {path: leaf.shape for path, leaf in _flatten_paths(target).items()}
+        _check_orbax_params(manager, step, root, shapes)
         try:
             restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
         except ValueError as e:  # Orbax reports tree / shape mismatches as ValueError
             raise CheckpointError(f"{root}: the Orbax checkpoint does not match the model: {e}") from e
     return config, restored.params
+
+
+@contextlib.contextmanager
+def open_orbax_params(directory: str | os.PathLike, expected_for, *, dtype=None
+                      ) -> Iterator[tuple[Qwen3VLConfig, dict[str, LazyTensor]]]:
+    """Open `save_orbax`'s layout for reading one tensor at a time.
+
+    `expected_for(config)` gives `{our path: (shape, dtype)}`. The stored tree (Orbax's metadata, no
+    data) is checked against it first: every missing, unexpected or mis-shaped parameter is
+    reported in one `CheckpointError`. Yields (config, `{our path: LazyTensor}`); each `load()`
+    restores that one array (cast to `dtype`, default the expected one) while the context is open.
+    """
+    import jax
+    import orbax.checkpoint as ocp
+
+    root = os.path.abspath(os.path.join(os.fspath(directory), ORBAX_SUBDIR))
+    manager, step, config = _open_orbax(root, "pytree")
+    with manager:
+        expected = expected_for(config)
+        _check_orbax_params(manager, step, root, {p: shape for p, (shape, _) in expected.items()})
+
+        def read(path: str, shape: tuple[int, ...], want: np.dtype) -> np.ndarray:
+            item = _nest_paths({path: jax.ShapeDtypeStruct(shape, want)})
+            restore_args = _nest_paths({path: ocp.RestoreArgs(restore_type=np.ndarray, dtype=want)})
+            out = manager.restore(step, args=ocp.args.Composite(params=ocp.args.PyTreeRestore(
+                item=item, restore_args=restore_args, partial_restore=True))).params
+            (value,) = _flatten_paths(out).values()
+            return np.asarray(value, dtype=want, order="C")
+
+        tensors = {}
+        for path, (shape, want_dtype) in expected.items():
+            want = np.dtype(dtype or want_dtype)
+            load = functools.partial(read, path, tuple(shape), want)
+            tensors[path] = LazyTensor(tuple(shape), want, load, path)
+        yield config, tensors
+
+
+# ---------------------------------------------------------------------- safetensors, streamed
+
+# `convert --to hf` shards at this size by default (Qwen's released checkpoints use ~5 GB shards).
+# The host never holds a whole shard (`write_safetensors` writes one tensor at a time), so this
+# only sets the file sizes.
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 
 def storage_dtype(name: str) -> np.dtype:
@@ -473,47 +801,121 @@ def storage_dtype(name: str) -> np.dtype:
     return np.dtype(dtypes[name])
 
 
-def write_safetensors(tensors: Mapping[str, np.ndarray], directory: str, max_shard_bytes: int | None = None) -> None:
-    """`model.safetensors`, or shards of at most `max_shard_bytes` plus `model.safetensors.index.json`."""
-    from safetensors.numpy import save_file
+def _write_safetensors_file(path: str, tensors: Mapping[str, LazyTensor]) -> None:
+    """One safetensors file, streamed: the header (known from shapes and dtypes) first, then each
+    tensor's bytes, loaded one at a time. The layout is the one `safetensors.numpy.save_file`
+    writes: wider dtypes first then by name (so every tensor is aligned to its item size), header
+    JSON padded with spaces to 8 bytes."""
+    order = sorted(tensors, key=lambda n: (-np.dtype(tensors[n].dtype).itemsize, n))
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        header[name] = {"dtype": _safetensors_dtype(t.dtype), "shape": list(t.shape),
+                        "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name in order:
+            array = tensors[name].checked(tensors[name].load())
+            f.write(array.reshape(-1).view(np.uint8).data)
+            del array
+            _release_freed_memory()
 
-    names = sorted(tensors)
+
+def write_safetensors(tensors: Mapping[str, object], directory: str,
+                      max_shard_bytes: int | None = None) -> None:
+    """`model.safetensors`, or shards of at most `max_shard_bytes` plus `model.safetensors.index.json`.
+
+    `tensors`: `{HF name: array or LazyTensor}`. Written one tensor at a time (`_write_safetensors_file`),
+    so with `LazyTensor`s the host holds one tensor, not one shard. Shards take the names in sorted
+    order, a new shard starting when the next tensor would overflow the current one.
+    """
+    tensors = {name: as_lazy(t, name) for name, t in tensors.items()}
     shards: list[list[str]] = [[]]
     size = 0
-    for name in names:
+    for name in sorted(tensors):
         if max_shard_bytes and shards[-1] and size + tensors[name].nbytes > max_shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(name)
         size += tensors[name].nbytes
     if len(shards) == 1:
-        save_file(dict(tensors), os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        _write_safetensors_file(os.path.join(directory, "model.safetensors"), tensors)
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: tensors[n] for n in shard}, os.path.join(directory, file), metadata={"format": "pt"})
+        _write_safetensors_file(os.path.join(directory, file), {n: tensors[n] for n in shard})
         weight_map.update({n: file for n in shard})
     index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))}, "weight_map": weight_map}
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
         json.dump(index, f, indent=2)
 
 
-def save_hf(params: Mapping[str, np.ndarray], config: Qwen3VLConfig, directory: str | os.PathLike, *,
+def write_hf(params: Mapping[str, object], config: Qwen3VLConfig, directory: str | os.PathLike, *,
+             dtype: str | None = None, max_shard_bytes: int | None = None) -> None:
+    """config.json + safetensors for `{our path: array or LazyTensor}` into `directory`, one tensor at
+    a time (no atomic rename: see `save_hf`)."""
+    tensors = export_hf_lazy(params, config, dtype=None if dtype is None else storage_dtype(dtype))
+    hf_config = config.to_hf_dict()
+    hf_config["dtype"] = dtype or str(np.dtype(next(iter(tensors.values())).dtype))
+    write_safetensors(tensors, os.fspath(directory), max_shard_bytes)
+    with open(os.path.join(os.fspath(directory), "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+
+
+def save_hf(params: Mapping[str, object], config: Qwen3VLConfig, directory: str | os.PathLike, *,
             dtype: str | None = None, max_shard_bytes: int | None = None, overwrite: bool = False) -> str:
     """Write an HF checkpoint directory (config.json + safetensors, sharded when asked) HF loads.
 
-    Written through `atomic_directory`: a non-empty `directory` (e.g. an earlier sharded export, whose index would otherwise still be
-    read) is refused unless `overwrite`, which replaces it whole.
+    `params`: `{our path: array or LazyTensor}`, written one tensor at a time. Written through
+    `atomic_directory`: a non-empty `directory` (e.g. an earlier sharded export, whose index would
+    otherwise still be read) is refused unless `overwrite`, which replaces it whole.
     """
-    tensors = export_hf_tensors(params, config)
-    if dtype is not None:
-        np_dtype = storage_dtype(dtype)
-        tensors = {k: v.astype(np_dtype) for k, v in tensors.items()}
-    hf_config = config.to_hf_dict()
-    hf_config["dtype"] = dtype or str(np.dtype(next(iter(tensors.values())).dtype))
     with atomic_directory(directory, overwrite=overwrite) as tmp:
-        write_safetensors(tensors, tmp, max_shard_bytes)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_config, f, indent=2)
+        write_hf(params, config, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes)
     return os.fspath(directory)
+
+
+# ---------------------------------------------------------------------- convert, streamed
+
+
+def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, expected_for, *, to: str = "orbax",
+                       dtype: str = "bfloat16", max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES,
+                       overwrite: bool = False, on_tensor: Callable[[str], None] | None = None
+                       ) -> tuple[Qwen3VLConfig, int, list[str]]:
+    """`qwen3vl-jax convert`: an HF or Orbax checkpoint directory to Orbax (`to="orbax"`) or HF
+    safetensors (`to="hf"`, shards of at most `max_shard_bytes`), stored in `dtype`.
+
+    Streamed: the source is checked whole from its headers / metadata first (every problem in one
+    `CheckpointError`, before anything is written), then each tensor is read, transformed, cast
+    and written before the next is read; the host holds a few tensors whatever the model's size.
+    `expected_for(config)` gives `{our path: (shape, dtype)}` (the canonical per-block layout).
+    Everything is written into a temporary directory renamed to `out` at the end
+    (`atomic_directory`), side files (tokenizer, processor, generation config) included.
+    Returns (config, number of parameters, side files copied).
+    """
+    if to not in ("orbax", "hf"):
+        raise ValueError(f"to must be 'orbax' or 'hf', got {to!r}")
+    np_dtype = storage_dtype(dtype)
+    # Refuse a non-empty target before the (long) conversion, and again when renaming into place.
+    with atomic_directory(out, overwrite=overwrite) as tmp, contextlib.ExitStack() as stack:
+        if is_orbax_dir(source):
+            config, params = stack.enter_context(open_orbax_params(source, expected_for, dtype=np_dtype))
+        else:
+            config = Qwen3VLConfig.from_hf_config(source)
+            params = plan_hf_params(source, expected_for(config), config, dtype=np_dtype)
+        params = _with_callback(params, on_tensor)
+        if to == "orbax":
+            write_orbax(_nest_paths(params), config, tmp)
+        else:
+            write_hf(params, config, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        # An HF export writes its own config.json; an Orbax directory keeps the source's beside the
+        # weights. Side files are written before the directory becomes visible under its name.
+        copied = copy_side_files(source, tmp, skip=("config.json",) if to == "hf" else ())
+    n = int(sum(int(np.prod(t.shape, dtype=np.int64)) for t in params.values()))
+    return config, n, copied

@@ -37,7 +37,7 @@ from pallas_kernels.attention.mask import AttentionMask
 
 from . import pruning as pruning_lib
 from .config import Qwen3VLConfig
-from .convert import SliceReader, is_orbax_dir, plan_hf_params, restore_orbax, save_hf, save_orbax
+from .convert import LazyTensor, is_orbax_dir, plan_hf_params, restore_orbax, save_hf, save_orbax
 from .generate import GenerationConfig
 from .generate import generate as generate_tokens
 from .layers import Linear, use_scan
@@ -160,7 +160,7 @@ class Qwen3VL(nnx.Module):
         """
         kwargs = dict(dtype=dtype, param_dtype=param_dtype, attention_implementation=attention_implementation,
                       scan_layers=scan_layers, remat=remat)
-        shardings = reader = None
+        shardings = None
         if is_orbax_dir(path):
             def target(config):  # Orbax holds the canonical per-block layout
                 abstract = cls.abstract(config, **{**kwargs, "scan_layers": False})
@@ -184,8 +184,7 @@ class Qwen3VL(nnx.Module):
             expected = param_shapes(nnx.state(cls.abstract(config, **kwargs), nnx.Param))
             # Checked from the headers first; then each array is read as it is placed (one tensor,
             # or one device's block of it, on the host at a time).
-            reader = SliceReader(plan_hf_params(path, expected, config))
-            params = {name: _Slices(reader, name, shape) for name, (shape, _) in expected.items()}
+            params = plan_hf_params(path, expected, config)  # {path: LazyTensor}
         graphdef, state = nnx.split(cls.abstract(config, **kwargs))
         if mesh is not None:
             from .sharding import param_shardings
@@ -203,8 +202,6 @@ class Qwen3VL(nnx.Module):
         finally:
             if bar is not None:
                 bar.close()
-            if reader is not None:
-                reader.close()
         model.generation_config = GenerationConfig.from_pretrained(path)
         if adapter is not None:
             from .training.lora import load_adapter
@@ -217,14 +214,16 @@ class Qwen3VL(nnx.Module):
         return model
 
     def save_orbax(self, directory: str | os.PathLike) -> str:
-        """Write the parameters (canonical per-block layout) and the config as Orbax under `directory/orbax`."""
+        """Write the parameters (canonical per-block layout) and the config as Orbax under `directory/orbax`
+        (each parameter is copied to the host as it is written, one at a time)."""
         return save_orbax(_nest(canonical_params(self)), self.config, directory)
 
     def save_hf(self, directory: str | os.PathLike, *, dtype: str | None = None,
                 max_shard_bytes: int | None = None) -> str:
-        """Export HF safetensors + config.json that `Qwen3VLForConditionalGeneration` loads."""
-        params = {path: np.asarray(leaf) for path, leaf in canonical_params(self).items()}
-        return save_hf(params, self.config, directory, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        """Export HF safetensors + config.json that `Qwen3VLForConditionalGeneration` loads (each
+        parameter is copied to the host as it is written, one at a time)."""
+        return save_hf(canonical_params(self), self.config, directory, dtype=dtype,
+                       max_shard_bytes=max_shard_bytes)
 
     # ------------------------------------------------------------------ vision
 
@@ -583,30 +582,22 @@ def _nest(flat: dict[str, object]) -> dict:
     return tree
 
 
-@dataclasses.dataclass(frozen=True)
-class _Slices:
-    """A parameter still in its file: blocks are read on demand (`SliceReader`)."""
-
-    reader: SliceReader
-    path: str
-    shape: tuple[int, ...]
-
-
 def _place(values: list, leaf, sharding, stacked: bool):
-    """One state leaf from its per-block values (one value unless `stacked`), on `sharding` if given."""
+    """One state leaf from its per-block values (one value unless `stacked`), on `sharding` if given.
+
+    A value is an array or a `LazyTensor` (still in its file): read whole without a sharding, else
+    block by block, each device reading only the block it holds."""
     if sharding is None:
-        full = tuple(slice(None) for _ in leaf.shape[int(stacked):])
-        arrays = [jnp.asarray(v.reader.read(v.path, full, np.dtype(leaf.dtype)) if isinstance(v, _Slices) else v,
-                              dtype=leaf.dtype) for v in values]
+        arrays = [jnp.asarray(v.load() if isinstance(v, LazyTensor) else v, dtype=leaf.dtype) for v in values]
         return jnp.stack(arrays) if stacked else arrays[0]
-    if isinstance(values[0], _Slices):  # read only the block each device holds
+    if isinstance(values[0], LazyTensor):
         dtype = np.dtype(leaf.dtype)
 
         def block(index):
             if not stacked:
-                return values[0].reader.read(values[0].path, index, dtype)
+                return values[0].block(index).astype(dtype, copy=False)
             picked = values[index[0]] if isinstance(index[0], slice) else [values[index[0]]]
-            return np.stack([v.reader.read(v.path, index[1:], dtype) for v in picked])
+            return np.stack([v.block(index[1:]).astype(dtype, copy=False) for v in picked])
 
         return jax.make_array_from_callback(tuple(leaf.shape), sharding, block)
     if not stacked:
@@ -619,7 +610,7 @@ def _fill_state(state, params: dict[str, object], shardings=None, on_leaf=None):
     state is stacked. Pops as it goes, so each host copy is freed once its device array exists.
 
     `shardings` (a pure dict like the state's, of `NamedSharding`): place each leaf on its devices;
-    values may then also be `_Slices` (read block by block, straight into the shards)."""
+    values may be `LazyTensor`s (read as they are placed; with shardings, block by block)."""
     pure = nnx.to_pure_dict(state)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(pure)
     targets = [None] * len(leaves) if shardings is None else jax.tree.leaves(
