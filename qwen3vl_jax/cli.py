@@ -218,11 +218,12 @@ def run_plan(args) -> int:
             result = smallest_mesh(source, args.batch, args.context, args.train, max_devices=args.max_devices,
                                    **options)
             if result is None:
-                print(f"qwen3vl-jax plan: no mesh of up to {args.max_devices} devices fits {args.device_memory} "
-                      "per device", file=sys.stderr)
+                print(f"qwen3vl-jax plan: no mesh of up to {args.max_devices} devices fits "
+                      f"{args.device_memory} per device", file=sys.stderr)
                 return 1
         else:
-            result = plan(source, args.mesh, args.batch, args.context, args.train, devices=args.devices, **options)
+            result = plan(source, args.mesh, args.batch, args.context, args.train, devices=args.devices,
+                          **options)
     except ValueError as e:  # ShardingError and ConfigError are ValueErrors
         print(f"qwen3vl-jax plan: error: {e}", file=sys.stderr)
         return 2
@@ -287,8 +288,8 @@ def main(argv=None) -> int:
     tune.add_argument("--keep", type=int, default=3, help="checkpoints kept")
     tune.add_argument("--strict", action="store_true", help="refuse rows that would be skipped")
     tune.add_argument("--export-merged", default=None, help="also write a plain HF checkpoint here")
-    memo = sub.add_parser("plan", help="per-device memory of a mesh: parameters, optimizer, gradients, KV cache, "
-                                       "activations; whether it fits")
+    memo = sub.add_parser("plan", help="per-device memory of a mesh: parameters, optimizer, gradients, "
+                                       "KV cache, activations; whether it fits")
     model_source = memo.add_mutually_exclusive_group(required=True)
     model_source.add_argument("--preset", help="2b, 4b, 8b or 32b")
     model_source.add_argument("--config", help="an HF config.json or checkpoint directory")
@@ -302,7 +303,8 @@ def main(argv=None) -> int:
     memo.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
     memo.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="compute dtype")
     memo.add_argument("--param-dtype", choices=("float32", "bfloat16"), default=None,
-                      help="storage dtype (default: float32 with --train, as finetune's master weights; else --dtype)")
+                      help="storage dtype (default: float32 with --train, as finetune's master weights; "
+                           "else --dtype)")
     memo.add_argument("--vision", choices=("data", "tensor"), default="data",
                       help="the vision tower replicated (default) or tensor-parallel")
     memo.add_argument("--device-memory", default=None, help="e.g. 80GB (10^9 bytes), 141GB, 96GiB")
@@ -310,8 +312,8 @@ def main(argv=None) -> int:
     memo.add_argument("--max-devices", type=int, default=512, help="the largest mesh --mesh auto tries")
     memo.add_argument("--json", action="store_true", help="print the plan as JSON")
     memo.add_argument("--check", action="store_true",
-                      help="also compile the steps on abstract shapes over that many host CPU devices and print "
-                           "their memory analysis beside the plan (slow for large presets)")
+                      help="also compile the steps on abstract shapes over that many host CPU devices and "
+                           "print their memory analysis beside the plan (slow for large presets)")
     memo.add_argument("--check-context", type=int, default=None,
                       help="compile the check at this context instead (the plan is recomputed to match)")
     memo.add_argument("--check-dtype", choices=("float32", "bfloat16"), default=None,

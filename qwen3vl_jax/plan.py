@@ -223,7 +223,8 @@ class Plan:
         what = (f"train micro-step of {self.batch} x {self.context} tokens"
                 + (" with remat" if self.remat else " without remat")) if self.train else \
             f"inference: prefill of {self.batch} x {self.context} tokens into the KV cache"
-        lines = [f"{self.name}: {self.parameters:,} parameters; mesh {self.mesh_spec} ({self.devices} devices); {what}",
+        devices = f"{self.devices} device" + ("s" if self.devices > 1 else "")
+        lines = [f"{self.name}: {self.parameters:,} parameters; mesh {self.mesh_spec} ({devices}); {what}",
                  f"compute {self.dtype}, parameters {self.param_dtype}; vision tower "
                  + ("replicated" if self.vision == "data" else "tensor-parallel"), "",
                  f"{'per device':<34}{'GiB':>10}"]
@@ -381,7 +382,8 @@ def smallest_mesh(config_or_preset, batch: int = 1, context: int = 4096, train: 
 # ---------------------------------------------------------------------- the compiled check
 
 
-def check(p: Plan, *, context: int | None = None, dtype: str | None = None, timeout: float | None = None) -> dict:
+def check(p: Plan, *, context: int | None = None, dtype: str | None = None,
+          timeout: float | None = None) -> dict:
     """Compile the plan's steps on abstract full-size shapes over `p.devices` host CPU devices (a
     subprocess with `--xla_force_host_platform_device_count`) and return each step's
     `memory_analysis()` per device, with the analytic figures beside them.
@@ -401,7 +403,8 @@ def check(p: Plan, *, context: int | None = None, dtype: str | None = None, time
     """
     import time
 
-    changes = {k: v for k, v in (("context", context), ("dtype", dtype)) if v is not None and v != getattr(p, k)}
+    asked = (("context", context), ("dtype", dtype))
+    changes = {k: v for k, v in asked if v is not None and v != getattr(p, k)}
     if "dtype" in changes and not p.train and p.param_dtype == p.dtype:
         changes["param_dtype"] = changes["dtype"]  # inference stores parameters in the compute dtype
     q = _replan(p, **changes) if changes else p
@@ -430,7 +433,8 @@ def _replan(p: Plan, **changes) -> Plan:
     kwargs = dict(batch=p.batch, context=p.context, train=p.train, dtype=p.dtype, param_dtype=p.param_dtype,
                   remat=p.remat, vision=p.vision, device_memory=p.device_memory)
     kwargs.update(changes)
-    out = plan(p.config, p.mesh_spec, kwargs.pop("batch"), kwargs.pop("context"), kwargs.pop("train"), **kwargs)
+    out = plan(p.config, p.mesh_spec, kwargs.pop("batch"), kwargs.pop("context"), kwargs.pop("train"),
+               **kwargs)
     return dataclasses.replace(out, name=p.name)
 
 
@@ -439,7 +443,8 @@ def _compare(p: Plan, steps: dict) -> list[tuple[str, int | None, int | None]]:
     if not p.train:
         s = steps["prefill"]
         vocab = p.config.text.vocab_size
-        logits = p.rows_per_device * ((vocab // p.mesh["tensor"] if vocab % p.mesh["tensor"] == 0 else vocab) * 4 + 4)
+        local_vocab = vocab // p.mesh["tensor"] if vocab % p.mesh["tensor"] == 0 else vocab
+        logits = p.rows_per_device * (local_vocab * 4 + 4)  # the last position's logits and tokens
         return [
             ("prefill arguments: parameters + inputs", p.params_bytes + p.input_bytes, s["argument"]),
             ("prefill outputs: KV cache (+ logits)", p.kv_cache_bytes + logits, s["output"]),
@@ -452,14 +457,14 @@ def _compare(p: Plan, steps: dict) -> list[tuple[str, int | None, int | None]]:
     # The check's step is text-only: the vision tower does not run, so its gradient is never formed.
     tower = sum(r.bytes_per_device for r in p.param_rows if r.path.startswith("visual."))
     return [
-        ("micro-step arguments: parameters + grad accumulator + inputs", p.params_bytes + trained + p.input_bytes,
-         m["argument"]),
+        ("micro-step arguments: parameters + grad accumulator + inputs",
+         p.params_bytes + trained + p.input_bytes, m["argument"]),
         ("micro-step outputs: grad accumulator (donated)", trained, m["output"]),
         ("micro-step temporaries: step's gradients + activations", trained + p.activation_bytes, m["temp"]),
-        ("  the same without the vision tower's gradient (text-only step)", trained - tower + p.activation_bytes,
-         m["temp"]),
-        ("update arguments: parameters + AdamW moments + gradients", p.params_bytes + p.optimizer_bytes + trained,
-         u["argument"]),
+        ("  the same without the vision tower's gradient (text-only step)",
+         trained - tower + p.activation_bytes, m["temp"]),
+        ("update arguments: parameters + AdamW moments + gradients",
+         p.params_bytes + p.optimizer_bytes + trained, u["argument"]),
         ("update temporaries", None, u["temp"]),
         ("peak: micro-step + resident moments, or update", p.total_bytes,
          max(m["peak"] + compiled_opt, u["peak"])),
@@ -468,7 +473,8 @@ def _compare(p: Plan, steps: dict) -> list[tuple[str, int | None, int | None]]:
 
 def check_table(result: dict) -> str:
     p = result["plan"]
-    lines = [f"compiled check: {p.devices} host CPU devices, context {result['context']}, "
+    devices = f"{p.devices} host CPU device" + ("s" if p.devices > 1 else "")
+    lines = [f"compiled check: {devices}, context {result['context']}, "
              f"{result['seconds']:.0f} s (lower + compile)",
              f"{'per device':<68}{'analytic':>12}{'compiled':>12}{'ratio':>8}"]
     for label, analytic, compiled in result["rows"]:
@@ -477,14 +483,14 @@ def check_table(result: dict) -> str:
     notes = ["arguments and outputs are exact layouts; temporaries are the CPU backend's buffer assignment "
              "(a GPU's differs)"]
     if p.dtype == "bfloat16":
-        notes.append("the CPU computes bfloat16 matmuls in float32, so its temporaries also hold float32 copies "
-                     "of their operands (weights and activations); --check-dtype float32 compares the "
-                     "activation model itself")
+        notes.append("the CPU computes bfloat16 matmuls in float32, so its temporaries also hold float32 "
+                     "copies of their operands (weights and activations); --check-dtype float32 compares "
+                     "the activation model itself")
     if p.train and p.batch % (p.mesh["data"] * p.mesh["fsdp"]) == 0 and p.mesh["data"] * p.mesh["fsdp"] > 1:
         notes.append("the batch is split over data x fsdp: on the CPU the attention runs its XLA spec, whose "
-                     "loop over rows x query blocks GSPMD does not split, so every device computes (and in the "
-                     "backward stores) all rows' attention; a GPU runs the Pallas kernels per device under "
-                     "shard_map")
+                     "loop over rows x query blocks GSPMD does not split, so every device computes (and in "
+                     "the backward stores) all rows' attention; a GPU runs the Pallas kernels per device "
+                     "under shard_map")
     lines += [f"note: {n}" for n in notes]
     return "\n".join(lines)
 
@@ -536,7 +542,8 @@ def _compile_steps(request: dict) -> dict:
             graphdef, state = nnx.split(model)
             nnx.replace_by_pure_dict(state, placed(state))
             text = config.text
-            fn = jax.jit(_prefill.__wrapped__, static_argnames=("graphdef", "slots", "do_sample"), keep_unused=True)
+            fn = jax.jit(_prefill.__wrapped__, static_argnames=("graphdef", "slots", "do_sample"),
+                         keep_unused=True)  # resident parameters count even where the step skips them
             scalars = (sds((), jnp.float32, sharding=replicated), sds((), jnp.int32, sharding=replicated),
                        sds((), jnp.float32, sharding=replicated))
             lowered = fn.lower(graphdef, state, batched((b, length, text.hidden_size), dtype), None,
@@ -557,10 +564,11 @@ def _compile_steps(request: dict) -> dict:
             acc = (params, sds((), jnp.float32, sharding=replicated), sds((), jnp.int32, sharding=replicated))
             micro = jax.jit(functools.partial(_micro_step, graphdef, LOSS_CHUNK), donate_argnums=(0,),
                             keep_unused=True)
-            steps["micro_step"] = memory(micro.lower(acc, params, nnx.to_pure_dict(keys), rest, inputs, labels,
-                                                     key).compile())
+            lowered = micro.lower(acc, params, nnx.to_pure_dict(keys), rest, inputs, labels, key)
+            steps["micro_step"] = memory(lowered.compile())
             tx = build_optimizer(OptimConfig(grad_accum_steps=1))
-            by_path = {param_path(kp): leaf.sharding for kp, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+            flat = jax.tree_util.tree_flatten_with_path(params)[0]
+            by_path = {param_path(kp): leaf.sharding for kp, leaf in flat}
 
             def moment(kp, leaf):  # AdamW's moments mirror the parameters: the same sharding
                 parts = param_path(kp).split(".")
