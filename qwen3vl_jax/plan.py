@@ -321,7 +321,7 @@ def plan(config_or_preset, mesh_spec="", batch: int = 1, context: int = 4096, tr
         terms["hidden states"] = 3 * hidden
         terms["MLP"] = 2 * mlp
         terms["rotary cos/sin"] = 2 * b * L * D * 4
-        terms["LM head"] = b * v * 4 + (math.prod(head.shape) // tp * c if gathered else 0)
+        terms["LM head"] = b * v * c + (math.prod(head.shape) // tp * c if gathered else 0)
         kv_cache = 2 * text.num_hidden_layers * b * L * g * D * c
         inputs = b * L * (E * c + 3 * 4 + 1) + 20  # embeds, positions, mask; key + 3 sampling scalars
         optimizer = gradients = 0
@@ -444,7 +444,8 @@ def _compare(p: Plan, steps: dict) -> list[tuple[str, int | None, int | None]]:
         s = steps["prefill"]
         vocab = p.config.text.vocab_size
         local_vocab = vocab // p.mesh["tensor"] if vocab % p.mesh["tensor"] == 0 else vocab
-        logits = p.rows_per_device * (local_vocab * 4 + 4)  # the last position's logits and tokens
+        # the last position's logits (compute dtype) and the first tokens
+        logits = p.rows_per_device * (local_vocab * DTYPES[p.dtype] + 4)
         return [
             ("prefill arguments: parameters + inputs", p.params_bytes + p.input_bytes, s["argument"]),
             ("prefill outputs: KV cache (+ logits)", p.kv_cache_bytes + logits, s["output"]),
