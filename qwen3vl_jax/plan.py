@@ -41,6 +41,9 @@ so the figures follow the same rules a sharded `from_pretrained` uses. Per devic
                    Pallas path's backward recomputes through it) stacks float32 scores and softmax
                    weights for every (query block, key block) pair, ~`ATTENTION_BACKWARD_BYTES`
                    bytes per (head, query, key), measured from the compiled backward.
+  Not modelled: the vision tower's activations (the plan is a text prefill / a text-only step; the
+  tower's parameters, moments and gradients are counted), and runtime reserves (CUDA context,
+  XLA's workspace).
 
 `check(plan)` compiles the real steps on abstract full-size shapes over a mesh of that many (host
 CPU) devices in a subprocess and reads `compiled.memory_analysis()` per device: the prefill at the
@@ -65,7 +68,7 @@ import numpy as np
 from .config import Qwen3VLConfig, preset as preset_config
 from .sharding import AXES, ShardingError, check_mesh, param_spec, parse_mesh
 
-__all__ = ["Plan", "plan", "resolve_mesh", "parse_bytes", "smallest_mesh", "check", "format_bytes",
+__all__ = ["Plan", "plan", "resolve_mesh", "parse_bytes", "smallest_mesh", "check", "check_table", "format_bytes",
            "ATTENTION_BACKWARD_BYTES"]
 
 GiB = 2**30
@@ -73,8 +76,9 @@ DTYPES = {"float32": 4, "bfloat16": 2}
 ATTENTION_BACKWARD_BYTES = {4: 13, 2: 10}
 """Bytes per (head, query, key) the attention spec's backward holds, by compute dtype size: float32
 scores and softmax weights (+ the mask and, in bf16, the weights' cast) for all key blocks of every
-query block. Measured from `jax.grad` of `reference.attention` compiled at 4096 tokens (12.9 and
-10.2 bytes); shorter sequences cost a little more per element (fixed per-block overheads)."""
+query block. Measured from `jax.grad` of `reference.attention` compiled on the CPU: the increment
+from 2048 to 4096 tokens is 12.9 (float32) and 10.2 (bfloat16) bytes per element; shorter sequences
+cost a little more per element (fixed per-block overheads)."""
 LOSS_CHUNK = 1024  # `Trainer(chunk_size=...)`'s default: tokens per LM-head call in the loss
 
 
