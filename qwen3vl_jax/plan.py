@@ -68,8 +68,8 @@ import numpy as np
 from .config import Qwen3VLConfig, preset as preset_config
 from .sharding import AXES, ShardingError, check_mesh, param_spec, parse_mesh
 
-__all__ = ["Plan", "plan", "resolve_mesh", "parse_bytes", "smallest_mesh", "check", "check_table", "format_bytes",
-           "ATTENTION_BACKWARD_BYTES"]
+__all__ = ["Plan", "plan", "resolve_mesh", "parse_bytes", "smallest_mesh", "check", "check_table",
+           "format_bytes", "ATTENTION_BACKWARD_BYTES"]
 
 GiB = 2**30
 DTYPES = {"float32": 4, "bfloat16": 2}
