@@ -14,6 +14,12 @@ from its headers first) and writes an Orbax checkpoint plus the tokenizer / proc
 (from an HF or a converted directory; shards of at most `--max-shard-bytes`). Either way it streams:
 one tensor is read, transformed, cast and written at a time, so the host memory it needs does not
 grow with the model (`convert.convert_checkpoint`).
+
+`qwen3vl-jax plan --preset 8b --mesh data=1,fsdp=1,tensor=8 --batch 4 --context 32768 [--train]
+[--device-memory 80GB] [--check]` prints the per-device memory of a mesh (parameters, optimizer
+state, gradients, KV cache, activations) from the partition rules, whether it fits, and with
+`--check` the compiled steps' memory analysis beside it (`qwen3vl_jax.plan`). `--mesh auto` finds
+the smallest mesh that fits `--device-memory`.
 """
 
 from __future__ import annotations
@@ -215,6 +221,40 @@ def run_finetune(args) -> int:
     return 0
 
 
+def run_plan(args) -> int:
+    from .plan import check, check_table, plan, smallest_mesh
+
+    options = dict(dtype=args.dtype, param_dtype=args.param_dtype, remat=args.remat, vision=args.vision,
+                   device_memory=args.device_memory)
+    source = args.config or args.preset
+    try:
+        if args.mesh == "auto":
+            if args.device_memory is None:
+                raise ValueError("--mesh auto needs --device-memory")
+            result = smallest_mesh(source, args.batch, args.context, args.train, max_devices=args.max_devices,
+                                   **options)
+            if result is None:
+                print(f"qwen3vl-jax plan: no mesh of up to {args.max_devices} devices fits "
+                      f"{args.device_memory} per device", file=sys.stderr)
+                return 1
+        else:
+            result = plan(source, args.mesh, args.batch, args.context, args.train, devices=args.devices,
+                          **options)
+    except ValueError as e:  # ShardingError and ConfigError are ValueErrors
+        print(f"qwen3vl-jax plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        import json
+
+        print(json.dumps(result.as_dict()))
+    else:
+        print(result.table())
+    if args.check:
+        print(f"\ncompiling the steps on {result.devices} host CPU devices ...", flush=True)
+        print(check_table(check(result, context=args.check_context, dtype=args.check_dtype)))
+    return 0
+
+
 def main(argv=None) -> int:
     from .convert import DEFAULT_MAX_SHARD_BYTES
 
@@ -268,9 +308,41 @@ def main(argv=None) -> int:
     tune.add_argument("--keep", type=int, default=3, help="checkpoints kept")
     tune.add_argument("--strict", action="store_true", help="refuse rows that would be skipped")
     tune.add_argument("--export-merged", default=None, help="also write a plain HF checkpoint here")
+    memo = sub.add_parser("plan", help="per-device memory of a mesh: parameters, optimizer, gradients, "
+                                       "KV cache, activations; whether it fits")
+    model_source = memo.add_mutually_exclusive_group(required=True)
+    model_source.add_argument("--preset", help="2b, 4b, 8b or 32b")
+    model_source.add_argument("--config", help="an HF config.json or checkpoint directory")
+    memo.add_argument("--mesh", default=None,
+                      help="e.g. data=1,fsdp=1,tensor=8 (unnamed axes: 1; default one device); 'auto': the "
+                           "smallest mesh that fits --device-memory")
+    memo.add_argument("--batch", type=int, default=1)
+    memo.add_argument("--context", type=int, default=4096,
+                      help="tokens per row: the KV cache's slots, or the training sequence length")
+    memo.add_argument("--train", action="store_true", help="a full fine-tuning micro-step with AdamW")
+    memo.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
+    memo.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="compute dtype")
+    memo.add_argument("--param-dtype", choices=("float32", "bfloat16"), default=None,
+                      help="storage dtype (default: float32 with --train, as finetune's master weights; "
+                           "else --dtype)")
+    memo.add_argument("--vision", choices=("data", "tensor"), default="data",
+                      help="the vision tower replicated (default) or tensor-parallel")
+    memo.add_argument("--device-memory", default=None, help="e.g. 80GB (10^9 bytes), 141GB, 96GiB")
+    memo.add_argument("--devices", type=int, default=None, help="the device count the mesh must use")
+    memo.add_argument("--max-devices", type=int, default=512, help="the largest mesh --mesh auto tries")
+    memo.add_argument("--json", action="store_true", help="print the plan as JSON")
+    memo.add_argument("--check", action="store_true",
+                      help="also compile the steps on abstract shapes over that many host CPU devices and "
+                           "print their memory analysis beside the plan (slow for large presets)")
+    memo.add_argument("--check-context", type=int, default=None,
+                      help="compile the check at this context instead (the plan is recomputed to match)")
+    memo.add_argument("--check-dtype", choices=("float32", "bfloat16"), default=None,
+                      help="compile the check at this compute dtype instead (the CPU multiplies bf16 in f32)")
     args = parser.parse_args(argv)
     if args.command == "finetune":
         return run_finetune(args)
+    if args.command == "plan":
+        return run_plan(args)
     if args.command == "demo":
         run_demo(args)
     elif args.command == "generate":
