@@ -1,4 +1,4 @@
-"""Command line: `qwen3vl-jax {demo, generate, convert, finetune}`.
+"""Command line: `qwen3vl-jax {demo, generate, convert, finetune, plan}`.
 
 `qwen3vl-jax demo` with no arguments uses the built-in tiny default: a tiny HF-format checkpoint
 synthesized into a cache directory (`$QWEN3VL_JAX_CACHE`, default `~/.cache/qwen3vl-jax`) and

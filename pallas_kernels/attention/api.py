@@ -106,10 +106,11 @@ def attention(q, k, v, mask: AttentionMask, *, implementation: str = "auto", blo
         raise ValueError(f"mask describes {mask.shape} query rows but q has {q.shape[:2]}")
     k, v = k.astype(q.dtype), v.astype(q.dtype)
     if not use_pallas:
-        return reference.attention(q, k, v, mask.kv_start, mask.kv_end)
-    kernels = functools.partial(_pallas_attention, interpret=interpret, block_q=block_q, block_k=block_k,
-                                num_splits=num_splits)
-    return _under_current_mesh(kernels, q, k, v, mask.kv_start, mask.kv_end)
+        op = reference.attention
+    else:
+        op = functools.partial(_pallas_attention, interpret=interpret, block_q=block_q, block_k=block_k,
+                               num_splits=num_splits)
+    return _under_current_mesh(op, q, k, v, mask.kv_start, mask.kv_end)
 
 
 # The mesh convention of the model (`qwen3vl_jax.sharding`): batch over these axes, heads over this one.
@@ -117,17 +118,19 @@ BATCH_AXES = ("data", "fsdp")
 HEAD_AXIS = "tensor"
 
 
-def _under_current_mesh(kernels, q, k, v, kv_start, kv_end):
-    """Run the kernels per device under `shard_map` when a mesh is current (`jax.set_mesh`).
+def _under_current_mesh(op, q, k, v, kv_start, kv_end):
+    """Run `op` per device under `shard_map` when a mesh is current (`jax.set_mesh`).
 
-    A Pallas call is opaque to GSPMD, so under a mesh each device runs it on its own rows: the
-    batch split over `BATCH_AXES` and the heads over `HEAD_AXIS`, each where it divides (query
-    and kv heads together, so every query head finds its kv head on the same device); the rest
-    whole. Attention never mixes batch rows or heads, so no communication is needed inside.
+    A Pallas call is opaque to GSPMD, and GSPMD does not split the spec's loops over query blocks
+    (it would compute every row on every device), so under a mesh each device runs the op on its
+    own rows: the batch split over `BATCH_AXES` and the heads over `HEAD_AXIS`, each where it
+    divides (query and kv heads together, so every query head finds its kv head on the same
+    device); the rest whole. Attention never mixes batch rows or heads, so no communication is
+    needed inside, and the result is the same as on one device.
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return kernels(q, k, v, kv_start, kv_end)
+        return op(q, k, v, kv_start, kv_end)
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     batch = tuple(a for a in BATCH_AXES if a in sizes)
     batch_size = 1
@@ -137,7 +140,9 @@ def _under_current_mesh(kernels, q, k, v, kv_start, kv_end):
     heads = sizes.get(HEAD_AXIS)
     head = HEAD_AXIS if heads and q.shape[2] % heads == 0 and k.shape[2] % heads == 0 else None
     rows, runs = P(batch, None, head, None), P(batch, None)
-    return jax.shard_map(kernels, in_specs=(rows, rows, rows, runs, runs), out_specs=rows,
+    if batch is None and head is None:
+        return op(q, k, v, kv_start, kv_end)
+    return jax.shard_map(op, in_specs=(rows, rows, rows, runs, runs), out_specs=rows,
                          check_vma=False)(q, k, v, kv_start, kv_end)
 
 
