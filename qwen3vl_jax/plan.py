@@ -491,11 +491,6 @@ def check_table(result: dict) -> str:
         notes.append("the CPU computes bfloat16 matmuls in float32, so its temporaries also hold float32 "
                      "copies of their operands (weights and activations); --check-dtype float32 compares "
                      "the activation model itself")
-    if p.train and p.batch % (p.mesh["data"] * p.mesh["fsdp"]) == 0 and p.mesh["data"] * p.mesh["fsdp"] > 1:
-        notes.append("the batch is split over data x fsdp: on the CPU the attention runs its XLA spec, whose "
-                     "loop over rows x query blocks GSPMD does not split, so every device computes (and in "
-                     "the backward stores) all rows' attention; a GPU runs the Pallas kernels per device "
-                     "under shard_map")
     lines += [f"note: {n}" for n in notes]
     return "\n".join(lines)
 

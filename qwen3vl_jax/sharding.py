@@ -11,8 +11,9 @@
   tower's packed patch rows over the same axes; logits' vocabulary and the KV cache's kv heads over
   `tensor`. A dimension an axis does not divide is left whole there (GSPMD stays correct, only the
   split is lost), so any batch runs on any mesh.
-- **Kernels.** The Pallas kernels cannot be partitioned by GSPMD; `pallas_kernels.attention.api`
-  runs them under `shard_map` over batch and heads when a mesh is current (`use_mesh`).
+- **Attention.** The Pallas kernels cannot be partitioned by GSPMD, and GSPMD does not split the
+  jnp spec's loop over query blocks, so `pallas_kernels.attention.api` runs either under
+  `shard_map` over batch rows and heads when a mesh is current (`use_mesh`).
 
 A sharded model is an ordinary `Qwen3VL` whose arrays are sharded: `Qwen3VL.from_pretrained(path,
 mesh=mesh)` reads each device's slices straight from the files, `shard(model, mesh)` moves a

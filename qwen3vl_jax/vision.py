@@ -32,6 +32,7 @@ from pallas_kernels.pos_embed.reference import interpolation_taps, merge_order_r
 
 from .config import VisionConfig
 from .layers import LayerNorm, Linear, apply_rotary, make_stack, run_stack
+from .sharding import constrain
 
 __all__ = ["VisionMetadata", "vision_metadata", "validate_vision_inputs", "VisionModel"]
 
@@ -279,7 +280,7 @@ class VisionModel(nnx.Module):
 
         def step(block, carry, index):
             x, tapped = carry
-            x = block(x, cos, sin, mask, implementation)
+            x = constrain(block(x, cos, sin, mask, implementation), "batch", None)  # patch rows over the batch axes
             if isinstance(index, int):
                 if level_of[index] >= 0:
                     tapped = tapped.at[int(level_of[index])].set(x)
