@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .sharding import use_mesh
 from .shapes import Buckets
 from .vision import VisionMetadata, validate_vision_inputs, vision_metadata
 
@@ -95,7 +96,8 @@ class EncoderRunner:
             rotary_ids=sds((patches, 2), jnp.int32),
             segment_ids=sds((patches,), jnp.int32),
         )
-        state = jax.tree.map(lambda x: sds(x.shape, x.dtype), self._state)
+        # A sharded model's executables are compiled for its parameters' shardings.
+        state = jax.tree.map(lambda x: sds(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), self._state)
         return state, sds((patches, self.config.patch_dim), jnp.float32), meta
 
     def _executable(self, budget: int):
@@ -108,7 +110,8 @@ class EncoderRunner:
                 return out.merged, out.deepstack
 
             start = time.perf_counter()
-            self._executables[budget] = jax.jit(run).lower(*self._abstract_args(budget)).compile()
+            with use_mesh(self.model):  # a sharded model: its activation constraints and per-device attention
+                self._executables[budget] = jax.jit(run).lower(*self._abstract_args(budget)).compile()
             self.compile_seconds += time.perf_counter() - start
             self.num_compiles += 1
         return self._executables[budget]

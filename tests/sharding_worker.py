@@ -84,6 +84,7 @@ def run(model, data: dict, *, generate: bool = True) -> dict[str, np.ndarray]:
     """Logits, generated ids, vision features, and one train step's gradients and parameters."""
     from flax import nnx
 
+    from qwen3vl_jax.buckets import EncoderRunner
     from qwen3vl_jax.model import MODEL_INPUTS, canonical_params
     from qwen3vl_jax.training import OptimConfig, Trainer
 
@@ -95,6 +96,10 @@ def run(model, data: dict, *, generate: bool = True) -> dict[str, np.ndarray]:
         log("  generate")
     merged, deepstack = model.encode_vision(data["pixel_values"], data["image_grid_thw"])
     out["vision"], out["deepstack"] = gather(merged), gather(deepstack)
+    # the bucketed encoder, compiled ahead of time for the parameters' shardings (one budget)
+    runner = EncoderRunner(model, budgets=[1 << (merged.shape[0] - 1).bit_length()]).warmup()
+    out["runner_vision"] = gather(runner.encode(data["pixel_values"], data["image_grid_thw"])[0])
+    out["runner_compiles"] = np.int64(runner.num_compiles)
     log("  vision")
     # eps well above the gradients' rounding, so AdamW's g / (|g| + eps) stays continuous in g
     trainer = Trainer(model, OptimConfig(learning_rate=1e-3, warmup_steps=0, total_steps=10, eps=1e-4))

@@ -63,6 +63,8 @@ def test_mesh_matches_single_device(mesh_results, case):
         np.testing.assert_array_equal(r[f"{case}/ids"], r["single/ids"], err_msg=f"{case} generate ids")
     assert_close(r[f"{case}/vision"], r["single/vision"], "f32_tower", f"{case} vision features")
     assert_close(r[f"{case}/deepstack"], r["single/deepstack"], "f32_tower", f"{case} deepstack features")
+    assert_close(r[f"{case}/runner_vision"], r["single/vision"], "f32_tower", f"{case} EncoderRunner features")
+    assert int(r[f"{case}/runner_compiles"]) == 1, "the encode call compiled again after warmup"
     assert float(r[f"{case}/loss"]) == pytest.approx(float(r["single/loss"]), rel=1e-5)
     assert_close(r[f"{case}/grads"], r["single/grads"], "f32_logits", f"{case} loss gradients")
     assert_close(r[f"{case}/params"], r["single/params"], "f32_logits", f"{case} parameters after a step")
