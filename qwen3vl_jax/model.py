@@ -37,7 +37,7 @@ from pallas_kernels.attention.mask import AttentionMask
 
 from . import pruning as pruning_lib
 from .config import Qwen3VLConfig
-from .convert import LazyTensor, is_orbax_dir, plan_hf_params, restore_orbax, save_hf, save_orbax
+from .convert import LazyTensor, _nest_paths as _nest, is_orbax_dir, plan_hf_params, restore_orbax, save_hf, save_orbax
 from .generate import GenerationConfig
 from .generate import generate as generate_tokens
 from .layers import Linear, use_scan
@@ -568,18 +568,6 @@ def param_shapes(model_or_state) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
 def count_params(model_or_state) -> int:
     """Number of parameters (works on abstract models from `Qwen3VL.abstract`)."""
     return int(sum(int(np.prod(shape)) for shape, _ in param_shapes(model_or_state).values()))
-
-
-def _nest(flat: dict[str, object]) -> dict:
-    """`{dotted path: leaf}` -> the nested pure dict Orbax stores (integer keys for block indices)."""
-    tree: dict = {}
-    for path, leaf in flat.items():
-        node = tree
-        keys = [int(k) if k.isdigit() else k for k in path.split(".")]
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = leaf
-    return tree
 
 
 def _place(values: list, leaf, sharding, stacked: bool):
