@@ -14,7 +14,9 @@ stack (`blocks.` with a leading layer axis):
   3. `optax.multi_transform`: per trained part `optax.adamw` with its own peak learning rate on the
      shared warmup + cosine schedule; frozen parts get `optax.set_to_zero` (no optimizer state),
 and wraps it in `optax.MultiSteps` for gradient accumulation (the mean of k micro-batch gradients,
-then one update; the schedule counts updates, not micro-batches).
+then one update; the schedule counts updates, not micro-batches), for use as a plain optax /
+`nnx.Optimizer` transformation. `trainer.Trainer` builds it with one step and accumulates itself:
+HF's token-weighted accumulation, which the mean of micro-batch means is not.
 
 Weight decay follows HF's Trainer (`Trainer.get_decay_parameter_names`): biases and norm scales are
 not decayed; everything else, embeddings included, is.
