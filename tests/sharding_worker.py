@@ -40,8 +40,12 @@ LARGE = ("language_model.embed_tokens.embedding", "lm_head.kernel",
          "visual.blocks.0.attn.qkv.kernel", "visual.blocks.0.mlp.linear_fc2.kernel")
 
 
-def batch(checkpoint: str) -> dict:
-    """8 left-padded conversations (4 with an image, 4 with a video) with assistant-only labels."""
+PRUNING = ("evs", 0.5)
+
+
+def batch(checkpoint: str, video_pruning=None) -> dict:
+    """8 left-padded conversations (4 with an image, 4 with a video) with assistant-only labels
+    (`video_pruning`: the processor sizes the video placeholders for the kept tokens)."""
     from qwen3vl_jax import Qwen3VLProcessor
     from qwen3vl_jax.training import assistant_labels
 
@@ -60,7 +64,7 @@ def batch(checkpoint: str) -> dict:
     texts = processor.apply_chat_template(conversations)
     out = processor(text=texts, images=images, videos=videos,
                     video_metadata=[{"fps": 2.0, "total_num_frames": 4}] * 4, padding=True, padding_side="left",
-                    return_tensors="np")
+                    return_tensors="np", video_pruning=video_pruning)
     out["labels"] = assistant_labels(out["input_ids"], out["attention_mask"], processor, conversations)
     return dict(out)
 
@@ -80,8 +84,9 @@ def log(message: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
 
 
-def run(model, data: dict, *, generate: bool = True) -> dict[str, np.ndarray]:
-    """Logits, generated ids, vision features, and one train step's gradients and parameters."""
+def run(model, data: dict, pruned: dict, *, generate: bool = True) -> dict[str, np.ndarray]:
+    """Logits (also with EVS video pruning), generated ids, vision features, and one train step's
+    gradients and parameters."""
     from flax import nnx
 
     from qwen3vl_jax.buckets import EncoderRunner
@@ -90,6 +95,9 @@ def run(model, data: dict, *, generate: bool = True) -> dict[str, np.ndarray]:
 
     inputs = {k: data[k] for k in MODEL_INPUTS if data.get(k) is not None}
     out = {"logits": gather(model(**inputs))}
+    out["real_tokens"] = np.array([data["attention_mask"].sum(), pruned["attention_mask"].sum()])
+    out["pruned_logits"] = gather(model(**{k: pruned[k] for k in MODEL_INPUTS if pruned.get(k) is not None},
+                                        video_pruning=PRUNING))
     log("  logits")
     if generate:
         out["ids"] = gather(model.generate(**inputs, max_new_tokens=NEW_TOKENS))
@@ -147,13 +155,13 @@ def meshes(checkpoint: str, out_path: str, cases: list[str] | None = None) -> No
     from qwen3vl_jax import Qwen3VL
     from qwen3vl_jax.sharding import make_mesh
 
-    data = batch(checkpoint)
+    data, pruned = batch(checkpoint), batch(checkpoint, PRUNING)
     saved: dict[str, np.ndarray] = {}
     start = time.perf_counter()
     reference = Qwen3VL.from_pretrained(checkpoint, attention_implementation="xla")
     orbax_dir = os.path.join(os.path.dirname(out_path), "orbax_copy")
     reference.save_orbax(orbax_dir)
-    for key, value in run(reference, data).items():
+    for key, value in run(reference, data, pruned).items():
         saved[f"single/{key}"] = value
     print(f"single device: {time.perf_counter() - start:.1f}s", flush=True)
     for name, spec, options, from_orbax in CASES:
@@ -165,7 +173,7 @@ def meshes(checkpoint: str, out_path: str, cases: list[str] | None = None) -> No
         model = Qwen3VL.from_pretrained(orbax_dir if from_orbax else checkpoint, mesh=mesh, **options)
         for key, value in shard_fractions(model, mesh).items():
             saved[f"{name}/{key}"] = value
-        for key, value in run(model, data, generate="pallas" not in name).items():
+        for key, value in run(model, data, pruned, generate="pallas" not in name).items():
             saved[f"{name}/{key}"] = value
         print(f"{name}: {time.perf_counter() - start:.1f}s", flush=True)
     np.savez(out_path, **saved)
@@ -185,7 +193,7 @@ def process(checkpoint: str, out_path: str, coordinator: str, process_id: int) -
     mesh = make_mesh("fsdp=2,tensor=4")
     model = Qwen3VL.from_pretrained(checkpoint, mesh=mesh, attention_implementation="xla")
     saved = {f"{k}": v for k, v in shard_fractions(model, mesh).items()}
-    saved.update(run(model, batch(checkpoint), generate=False))
+    saved.update(run(model, batch(checkpoint), batch(checkpoint, PRUNING), generate=False))
     np.savez(out_path, **saved)
     jax.distributed.shutdown()
 

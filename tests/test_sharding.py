@@ -59,6 +59,9 @@ def mesh_results(shardable_dir, tmp_path_factory):
 def test_mesh_matches_single_device(mesh_results, case):
     r = mesh_results
     assert_close(r[f"{case}/logits"], r["single/logits"], "f32_logits", f"{case} logits")
+    unpruned_tokens, pruned_tokens = r["single/real_tokens"]
+    assert pruned_tokens < unpruned_tokens, "EVS should shorten the prompts"
+    assert_close(r[f"{case}/pruned_logits"], r["single/pruned_logits"], "f32_logits", f"{case} EVS-pruned logits")
     if "pallas" not in case:  # greedy ids: exact
         np.testing.assert_array_equal(r[f"{case}/ids"], r["single/ids"], err_msg=f"{case} generate ids")
     assert_close(r[f"{case}/vision"], r["single/vision"], "f32_tower", f"{case} vision features")
@@ -111,6 +114,7 @@ def test_two_processes_agree_with_one(shardable_dir, mesh_results, tmp_path):
     for i, out in enumerate(outs):
         r = dict(np.load(out))
         assert_close(r["logits"], single["single/logits"], "f32_logits", f"process {i} logits")
+        assert_close(r["pruned_logits"], single["single/pruned_logits"], "f32_logits", f"process {i} pruned logits")
         assert_close(r["grads"], single["single/grads"], "f32_logits", f"process {i} gradients")
         assert_close(r["params"], single["single/params"], "f32_logits", f"process {i} parameters after a step")
         # each process holds half of an fsdp x tensor-split weight's rows... of its 4 devices' shards
