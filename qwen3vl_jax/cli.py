@@ -166,15 +166,6 @@ def run_generate(args) -> None:
     print(f"\n[{prompt_len} prompt tokens, {out.shape[1] - prompt_len} generated]")
 
 
-def expected_params(config):
-    """`{canonical path: (shape, dtype)}` of the model `config` describes (no memory is allocated)."""
-    from flax import nnx
-
-    from .model import Qwen3VL, param_shapes
-
-    return param_shapes(nnx.state(Qwen3VL.abstract(config, scan_layers=False), nnx.Param))
-
-
 def peak_rss_bytes() -> int:
     """This process's peak resident memory: `VmHWM` where Linux has it (it starts afresh at exec,
     unlike `ru_maxrss`, which keeps the pages a forked child shared with its parent), else `ru_maxrss`."""
@@ -194,6 +185,7 @@ def run_convert(args) -> None:
     from tqdm.auto import tqdm
 
     from .convert import convert_checkpoint, storage_dtype
+    from .model import expected_params
 
     start = time.perf_counter()
     with tqdm(desc=f"converting {os.path.basename(os.path.abspath(args.source))}", unit=" tensors") as bar:

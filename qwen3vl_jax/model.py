@@ -47,7 +47,7 @@ from .text import TextModel
 from .vision import VisionMetadata, VisionModel, VisionOutput, validate_vision_inputs, vision_metadata
 
 __all__ = ["Qwen3VL", "MultimodalInputs", "MODEL_INPUTS", "PROCESSOR_EXTRAS", "param_shapes", "count_params",
-           "canonical_params", "causal_padding_mask"]
+           "canonical_params", "expected_params", "causal_padding_mask"]
 
 # The processor outputs the model reads (`__call__`, `prepare_inputs`, `generate`), in their order.
 MODEL_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw",
@@ -181,7 +181,7 @@ class Qwen3VL(nnx.Module):
                 from .sharding import check_mesh
 
                 check_mesh(config, mesh, vision=vision)
-            expected = param_shapes(nnx.state(cls.abstract(config, **kwargs), nnx.Param))
+            expected = expected_params(config, **kwargs)
             # Checked from the headers first; then each array is read as it is placed (one tensor,
             # or one device's block of it, on the host at a time).
             params = plan_hf_params(path, expected, config)  # {path: LazyTensor}
@@ -563,6 +563,12 @@ def param_shapes(model_or_state) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         for i in range(leaf.shape[0]):
             out[f"{prefix}.{i}.{rest}"] = (tuple(leaf.shape[1:]), np.dtype(leaf.dtype))
     return out
+
+
+def expected_params(config: Qwen3VLConfig, **kwargs) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """`param_shapes` of the model `config` describes (`kwargs`: `Qwen3VL`'s options, e.g. `dtype`),
+    built abstractly: no memory is allocated. What a checkpoint must hold."""
+    return param_shapes(nnx.state(Qwen3VL.abstract(config, **kwargs), nnx.Param))
 
 
 def count_params(model_or_state) -> int:

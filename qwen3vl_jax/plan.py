@@ -142,10 +142,9 @@ def _config(config_or_preset) -> tuple[Qwen3VLConfig, str]:
 @functools.lru_cache(maxsize=16)
 def _param_shapes(config: Qwen3VLConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """Canonical `(path, shape)` of every parameter (abstract; no memory is allocated)."""
-    from .model import Qwen3VL, param_shapes
+    from .model import expected_params
 
-    model = Qwen3VL.abstract(config, scan_layers=True)
-    return tuple((path, shape) for path, (shape, _) in param_shapes(model).items())
+    return tuple((path, shape) for path, (shape, _) in expected_params(config, scan_layers=True).items())
 
 
 @dataclasses.dataclass(frozen=True)

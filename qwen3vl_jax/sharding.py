@@ -109,7 +109,8 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, *, devices=None) -> M
 
 
 def _axis_sizes(mesh) -> dict[str, int]:
-    return dict(zip(mesh.axis_names, mesh.axis_sizes if hasattr(mesh, "axis_sizes") else mesh.devices.shape))
+    """`{axis: size}` of a `Mesh` or an `AbstractMesh`."""
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))
 
 
 def check_mesh(config: Qwen3VLConfig, mesh, *, vision: str = "data") -> None:
@@ -227,7 +228,7 @@ def current_spec(shape: tuple[int, ...], dims: tuple) -> PartitionSpec | None:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or any(a not in mesh.axis_names for a in AXES):
         return None
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    sizes = _axis_sizes(mesh)
     spec = []
     for extent, axes in zip(shape, dims):
         axes = BATCH if axes == "batch" else axes

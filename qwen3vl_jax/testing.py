@@ -135,11 +135,9 @@ def random_params(config: Qwen3VLConfig, seed: int = 0, dtype=np.float32) -> dic
     Each parameter is a function of (seed, its path) only. Linear kernels ~ N(0, 1/fan_in); biases ~ N(0, 0.02^2); norm scales ~ 1 + N(0, 0.1^2);
     embeddings ~ N(0, 1).
     """
-    from .model import Qwen3VL, param_shapes
+    from .model import expected_params
 
-    from flax import nnx
-
-    shapes = param_shapes(nnx.state(Qwen3VL.abstract(config), nnx.Param))
+    shapes = expected_params(config)
     params = {}
     for path in sorted(shapes):
         shape, _ = shapes[path]

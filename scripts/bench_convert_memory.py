@@ -52,7 +52,7 @@ def bench_config(layers: int, vision_depth: int, vocab: int):
 def synthesize(directory: str, config, seed: int = 0) -> None:
     """An HF checkpoint (config.json, safetensors in ~5 GB shards, tokenizer side files) of random
     bfloat16 weights, generated and written one tensor at a time."""
-    from qwen3vl_jax.cli import expected_params
+    from qwen3vl_jax.model import expected_params
     from qwen3vl_jax.convert import DEFAULT_MAX_SHARD_BYTES, LazyTensor, export_hf_lazy, write_safetensors
     from qwen3vl_jax.testing import make_tiny_checkpoint
 
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
 
-    from qwen3vl_jax.cli import expected_params
+    from qwen3vl_jax.model import expected_params
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_convert_")
     os.makedirs(workdir, exist_ok=True)
