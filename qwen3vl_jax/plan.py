@@ -36,11 +36,13 @@ so the figures follow the same rules a sharded `from_pretrained` uses. Per devic
                    gathered over `fsdp` when the batch is split over it;
     training       with remat: each block's input saved (N x b.L.E) and one block recomputed and
                    differentiated at a time; without: every block's residuals saved. A block's
-                   residuals: 4 x b.L.E + 4 x b.L.i + 2 x b.L.h.D + 2 x b.L.g.D, plus attention's:
-                   the backward of the attention spec (`pallas_kernels.attention.reference`; the
-                   Pallas path's backward recomputes through it) stacks float32 scores and softmax
-                   weights for every (query block, key block) pair, ~`ATTENTION_BACKWARD_BYTES`
-                   bytes per (head, query, key), measured from the compiled backward.
+                   residuals: 4 x b.L.E + 4 x b.L.i + 2 x b.L.h.D + 2 x b.L.g.D, plus attention's
+                   backward (`pallas_kernels.attention.reference`, a flash backward; the Pallas
+                   path's backward runs it too): the float32 log-sum-exp (b.h.L), float32
+                   gradient accumulators (b.L.(h + 2g).D), the blocked layout's copies of q, dO,
+                   k, v (b.L.(2h + 2g).D) and one block pair's float32 tiles (4 x h.Q.K).
+                   The loss's LM-head phase and the blocks' backward (attention's, and with remat
+                   the recomputed block's residuals) never overlap: the peak counts the larger.
   Not modelled: the vision tower's activations (the plan is a text prefill / a text-only step; the
   tower's parameters, moments and gradients are counted), and runtime reserves (CUDA context,
   XLA's workspace).
@@ -65,20 +67,24 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from pallas_kernels.attention.reference import ATTENTION_BLOCK, balanced_block
+
 from .config import Qwen3VLConfig, preset as preset_config
 from .sharding import AXES, ShardingError, check_mesh, param_spec, parse_mesh
 
 __all__ = ["Plan", "plan", "resolve_mesh", "parse_bytes", "smallest_mesh", "check", "check_table",
-           "format_bytes", "ATTENTION_BACKWARD_BYTES"]
+           "format_bytes", "attention_backward_bytes"]
 
 GiB = 2**30
 DTYPES = {"float32": 4, "bfloat16": 2}
-ATTENTION_BACKWARD_BYTES = {4: 13, 2: 10}
-"""Bytes per (head, query, key) the attention spec's backward holds, by compute dtype size: float32
-scores and softmax weights (+ the mask and, in bf16, the weights' cast) for all key blocks of every
-query block. Measured from `jax.grad` of `reference.attention` compiled on the CPU: the increment
-from 2048 to 4096 tokens is 12.9 (float32) and 10.2 (bfloat16) bytes per element; shorter sequences
-cost a little more per element (fixed per-block overheads)."""
+
+
+def attention_backward_bytes(b: int, L: int, h: int, g: int, D: int, c: int) -> int:
+    """What the attention spec's flash backward holds beyond the block's residuals (b rows of L
+    tokens, h query and g kv heads of width D, compute dtype of c bytes): linear in L, plus one
+    block pair's float32 tiles (scores, weights, their cotangents)."""
+    blk = balanced_block(L, ATTENTION_BLOCK)
+    return 4 * b * h * L + b * L * D * (4 * (h + 2 * g) + c * (2 * h + 2 * g)) + 4 * 4 * h * blk * blk
 LOSS_CHUNK = 1024  # `Trainer(chunk_size=...)`'s default: tokens per LM-head call in the loss
 
 
@@ -327,10 +333,10 @@ def plan(config_or_preset, mesh_spec="", batch: int = 1, context: int = 4096, tr
         terms["LM head"] = b * v * c + (math.prod(head.shape) // tp * c if gathered else 0)
         kv_cache = 2 * text.num_hidden_layers * b * L * g * D * c
         inputs = b * L * (E * c + 3 * 4 + 1) + 20  # embeds, positions, mask; key + 3 sampling scalars
-        optimizer = gradients = 0
+        optimizer = gradients = overlap = 0
     else:
         residuals = 4 * hidden + 4 * mlp + 2 * b * L * (h + g) * D * c
-        attention = ATTENTION_BACKWARD_BYTES[c] * b * h * L * L
+        attention = attention_backward_bytes(b, L, h, g, D, c)
         if remat:
             terms["saved block inputs"] = text.num_hidden_layers * hidden
             terms["one block's residuals"] = residuals
@@ -341,6 +347,10 @@ def plan(config_or_preset, mesh_spec="", batch: int = 1, context: int = 4096, tr
         terms["rotary cos/sin"] = 2 * b * L * D * 4
         chunk = min(chunk_size, batch * L)
         terms["LM head / loss"] = 3 * chunk * v * 4 + (math.prod(head.shape) // tp * c if gathered else 0)
+        # The loss's LM-head phase ends before the blocks' backward begins: the peak holds the
+        # larger of the two, not both.
+        backward = attention + (residuals if remat else 0)
+        overlap = min(terms["LM head / loss"], backward)
         kv_cache = 0
         optimizer = 2 * params_bytes  # mu and nu: zeros_like(params)
         gradients = 2 * params_bytes  # the accumulator + the micro-step's gradient
@@ -349,7 +359,7 @@ def plan(config_or_preset, mesh_spec="", batch: int = 1, context: int = 4096, tr
         name=name, config=config, mesh=dict(sizes), batch=int(batch), context=int(context), train=bool(train),
         remat=bool(remat), dtype=dtype, param_dtype=param_dtype, vision=vision, parameters=count,
         params_bytes=params_bytes, optimizer_bytes=optimizer, gradient_bytes=gradients,
-        kv_cache_bytes=kv_cache, activation_bytes=sum(terms.values()), activation_terms=terms,
+        kv_cache_bytes=kv_cache, activation_bytes=sum(terms.values()) - overlap, activation_terms=terms,
         input_bytes=inputs, device_memory=None if device_memory is None else parse_bytes(device_memory),
         param_rows=tuple(rows))
 

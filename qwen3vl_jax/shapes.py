@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Buckets"]
+__all__ = ["Buckets", "quarter_octave"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,3 +45,13 @@ class Buckets:
             if n <= size:
                 return size
         raise ValueError(f"{n} exceeds the largest bucket {self.largest}")
+
+
+def quarter_octave(n: int) -> int:
+    """The smallest size >= n of the form m * 2**e with m in 4..7 (n itself below 8): four sizes per
+    doubling, so at most 25% padding and a few compiles over any range (98 -> 112, 130 -> 160)."""
+    n = int(n)
+    if n < 8:
+        return max(n, 1)
+    step = 1 << (n.bit_length() - 3)  # n lies in [4 * step, 8 * step)
+    return -(-n // step) * step

@@ -2,14 +2,16 @@
 config, batch and weights, float32, in one run.
 
     .venv/bin/python scripts/bench_train.py [--repeats 5] [--layers 4] [--hidden 256] [--batch 2]
+        [--also-python .venv312/bin/python]
 
 The model is the tiny architecture (`qwen3vl_jax.testing.make_tiny_checkpoint`) widened to `--hidden`
 with `--layers` decoder layers; the batch is `--batch` image conversations (the processor's output,
 assistant-only labels). Both sides do full fine-tuning with AdamW and global-norm clipping at 1.0.
 Prints the median step time of each side, the ratio HF / ours (above 1 means we are faster), tokens/s,
 and each side's peak host memory (`ru_maxrss`), ours with and without `remat`; every measurement of
-memory runs in its own subprocess, since the peak only grows. Writes nothing outside a temporary
-directory.
+memory runs in its own subprocess, since the peak only grows. `--also-python` runs our side once more
+under another interpreter (e.g. the Python 3.12 environment with the newest jax, which has no torch),
+on the same checkpoint and batch. Writes nothing outside a temporary directory.
 """
 
 from __future__ import annotations
@@ -100,8 +102,10 @@ def run_side(side: str, path: str, batch_size: int, repeats: int) -> dict:
         def step():
             trainer.step([batch])  # returns floats: the step has finished
     seconds = _median(step, repeats)
+    import jax
+
     return {"side": side, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds,
-            "peak_gib": _peak_gib()}
+            "peak_gib": _peak_gib(), "jax": jax.__version__}
 
 
 def main(argv=None) -> None:
@@ -110,6 +114,7 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--also-python", help="run our side also under this interpreter")
     parser.add_argument("--side", choices=("hf", "ours", "ours_remat"), help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -118,19 +123,22 @@ def main(argv=None) -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         path = _checkpoint(f"{tmp}/ckpt", args.hidden, args.layers)
-        results = {}
-        for side in ("hf", "ours", "ours_remat"):
-            out = subprocess.run([sys.executable, __file__, "--side", side, "--path", path, "--batch",
+        results, runs = {}, [("hf", sys.executable), ("ours", sys.executable), ("ours_remat", sys.executable)]
+        if args.also_python:
+            runs.append(("ours", args.also_python))
+        for side, python in runs:
+            out = subprocess.run([python, __file__, "--side", side, "--path", path, "--batch",
                                   str(args.batch), "--repeats", str(args.repeats)],
                                  capture_output=True, text=True, check=True)
-            results[side] = json.loads(out.stdout.strip().splitlines()[-1])
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            label = side if python == sys.executable else f"ours (jax {result['jax']})"
+            results[label] = result
     print(f"config: hidden {args.hidden}, {args.layers} decoder layers, batch {args.batch} image conversations, "
           f"{results['hf']['tokens']} tokens; f32, AdamW + clipping; median of {args.repeats}")
+    print(f"ours: jax {results['ours']['jax']}")
     for side, r in results.items():
-        print(f"{side:>11}: {r['seconds'] * 1e3:8.1f} ms/step  {r['tokens_per_second']:8.0f} tokens/s  "
-              f"peak host memory {r['peak_gib']:.2f} GiB")
-    print(f"ratio HF / ours: {results['hf']['seconds'] / results['ours']['seconds']:.2f}x "
-          f"(remat: {results['hf']['seconds'] / results['ours_remat']['seconds']:.2f}x)")
+        print(f"{side:>20}: {r['seconds'] * 1e3:8.1f} ms/step  {r['tokens_per_second']:8.0f} tokens/s  "
+              f"peak host memory {r['peak_gib']:.2f} GiB  HF / this {results['hf']['seconds'] / r['seconds']:.2f}x")
 
 
 if __name__ == "__main__":

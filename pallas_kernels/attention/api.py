@@ -9,7 +9,7 @@ express runs on either path.
 L > 1 query rows run the flash kernel; L == 1 (decode) the split-K decode kernel.
 
 Gradients: the kernels are forward-only, so the Pallas path is a `jax.custom_vjp` whose backward
-recomputes the attention through the jnp spec and differentiates that. The gradient is then
+is the jnp spec's own (its flash backward, on the same inputs). The gradient is then
 exactly the spec's gradient (the forward values of the two paths agree to rounding), at the spec's
 cost and memory; dedicated backward kernels can replace it without changing the contract.
 

@@ -2,14 +2,18 @@
 
 `attention(q, k, v, kv_start, kv_end)` is the one spec: grouped-query softmax attention where query
 row `(b, i)` sees the keys `[kv_start[b, i], kv_end[b, i])`. It never forms a score matrix over the
-whole sequence: queries are taken one block at a time (`lax.map`), and each query block runs a
-`lax.scan` with a static trip count over the key blocks with an online softmax, where a
-`lax.cond` skips the key blocks outside the block's rows' runs. So
+whole sequence: queries are taken one block at a time (`lax.map`), and each query block loops over
+only the key blocks its rows' runs touch (`block_ranges`) with an online softmax. Its gradient is
+its own `jax.custom_vjp`, the flash backward: the forward saves the output and each row's
+log-sum-exp; the backward revisits the same block pairs, recomputes the softmax weights from the
+log-sum-exp and accumulates dQ per query block and dK, dV in place. So
 
 - cost follows the visited blocks: packed images cost sum(len_i^2), causal prefill stops at the
-  diagonal;
-- memory follows the block size, not L x S;
-- every loop has a static trip count, so reverse-mode autodiff works (`jax.grad`, `nnx.grad`);
+  diagonal; the backward recomputes the scores once (5 block matmuls per pair, not 7);
+- memory follows the block size, not L x S, in the forward and in the backward (nothing of size
+  `[L, S]` is saved for the backward, unlike autodiff through the loops);
+- block sizes are evened out (`balanced_block`): 784 rows in blocks of up to 512 are 2 x 392, not
+  a 1024-row padding;
 - no `[B, L, S]` mask exists anywhere: each visit compares a key-position iota with the rows' runs.
 
 A single query row per batch row (decode) takes a plain pass over the keys instead (its mask is
@@ -30,12 +34,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._shapes import pow2_at_least
 from .mask import AttentionMask
 
 __all__ = [
     "attention",
     "block_ranges",
+    "balanced_block",
+    "ATTENTION_BLOCK",
     "varlen_attention",
     "causal_attention",
     "decode_attention",
@@ -45,6 +50,9 @@ __all__ = [
 # Finite stand-in for -inf: masked scores underflow to exactly 0 after exp without inf - inf = nan.
 _MASKED = -1e30
 _BIG = 2**30
+ATTENTION_BLOCK = 512
+"""Default query and key block size (rows): on a 2-core CPU, 784-patch frames ran 1.4x faster in
+512-row than in 256-row blocks (fewer, larger batched matmuls); `balanced_block` evens them out."""
 
 
 def block_ranges(kv_start, kv_end, block_q: int, block_k: int) -> tuple[jax.Array, jax.Array]:
@@ -60,6 +68,16 @@ def block_ranges(kv_start, kv_end, block_q: int, block_k: int) -> tuple[jax.Arra
     last = (jnp.max(jnp.where(nonempty, hi, 0), axis=-1) + block_k - 1) // block_k
     first = jnp.where(jnp.any(nonempty, axis=-1), first, 0)
     return first.astype(jnp.int32), jnp.maximum(last, first).astype(jnp.int32)
+
+
+def balanced_block(length: int, block: int) -> int:
+    """The block size that splits `length` rows into as few blocks of at most `block` rows as
+    possible, all equal and a multiple of 8 (the f32 vector width): 784 rows in blocks of up to
+    256 -> 4 blocks of 200 (800 rows, 2% padding) where 256-row blocks would pad to 1024."""
+    if block < 8:
+        return block
+    rows = -(-length // -(-length // block))  # ceil(length / number of blocks)
+    return min(block, -(-rows // 8) * 8)
 
 
 def _single_query(q, k, v, kv_start, kv_end, scale):
@@ -80,7 +98,7 @@ def _single_query(q, k, v, kv_start, kv_end, scale):
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_k"))
-def attention(q, k, v, kv_start, kv_end, *, block_q: int = 256, block_k: int = 256):
+def attention(q, k, v, kv_start, kv_end, *, block_q: int = ATTENTION_BLOCK, block_k: int = ATTENTION_BLOCK):
     """Grouped-query attention where query row `(b, i)` sees keys `kv_start[b, i] <= s < kv_end[b, i]`.
 
     Args:
@@ -97,63 +115,160 @@ def attention(q, k, v, kv_start, kv_end, *, block_q: int = 256, block_k: int = 2
         raise ValueError(f"{heads} query heads are not a multiple of {groups} kv heads")
     if b == 0 or length == 0 or kv_len == 0:
         return jnp.zeros(q.shape, q.dtype)
-    rep, scale = heads // groups, dim**-0.5
     kv_end = jnp.clip(kv_end.astype(jnp.int32), 0, kv_len)
     kv_start = jnp.minimum(kv_start.astype(jnp.int32), kv_end)
     if length == 1:
-        return _single_query(q[:, 0], k, v, kv_start[:, 0], kv_end[:, 0], scale)[:, None].astype(q.dtype)
+        return _single_query(q[:, 0], k, v, kv_start[:, 0], kv_end[:, 0], dim**-0.5)[:, None].astype(q.dtype)
 
-    bq = min(block_q, pow2_at_least(length))
-    bk = min(block_k, pow2_at_least(kv_len))
+    bq, bk = balanced_block(length, block_q), balanced_block(kv_len, block_k)
     lp, sp = -(-length // bq) * bq, -(-kv_len // bk) * bk
     if lp != length:  # padded query rows see nothing
         q = jnp.pad(q, ((0, 0), (0, lp - length), (0, 0), (0, 0)))
         kv_start, kv_end = (jnp.pad(x, ((0, 0), (0, lp - length))) for x in (kv_start, kv_end))
     if sp != kv_len:
         k, v = (jnp.pad(x, ((0, 0), (0, sp - kv_len), (0, 0), (0, 0))) for x in (k, v))
-    nq, nk = lp // bq, sp // bk
+    return _blocked(q, k, v, kv_start, kv_end, bq, bk)[:, :length]
+
+
+# ---------------------------------------------------------------------- the blocked online softmax
+#
+# Inside, a query block is laid out `[G, M, D]` with M = R * Q rows (head-major: row r * Q + i is
+# query i of head g * R + r), so each block's scores are one batched matmul `[G, M, K]` over the kv
+# heads without repeating keys; keys and values are `[B, G, S, D]`. The rows' runs are tiled to M.
+
+
+class _Layout:
+    """Static sizes of one call and the moves between the caller's layout and the blocked one."""
+
+    def __init__(self, q, k, bq, bk):
+        self.b, self.lp, self.heads, self.dim = q.shape
+        self.groups = k.shape[2]
+        self.rep = self.heads // self.groups
+        self.bq, self.bk = bq, bk
+        self.nq, self.nk = self.lp // bq, k.shape[1] // bk
+        self.scale = self.dim**-0.5
+
+    def queries(self, x):
+        """`[B, Lp, H, D]` -> `[B * nq, G, R * Q, D]`."""
+        x = x.reshape(self.b, self.nq, self.bq, self.groups, self.rep, x.shape[-1])
+        x = x.transpose(0, 1, 3, 4, 2, 5)
+        return x.reshape(self.b * self.nq, self.groups, self.rep * self.bq, x.shape[-1])
+
+    def unqueries(self, x):
+        """The inverse of `queries`."""
+        x = x.reshape(self.b, self.nq, self.groups, self.rep, self.bq, x.shape[-1])
+        return x.transpose(0, 1, 4, 2, 3, 5).reshape(self.b, self.lp, self.heads, x.shape[-1])
+
+    def runs(self, x):
+        """`[B, Lp]` row runs -> `[B * nq, R * Q]`, tiled like the rows of `queries`."""
+        return jnp.tile(x.reshape(self.b * self.nq, 1, self.bq), (1, self.rep, 1)).reshape(
+            self.b * self.nq, self.rep * self.bq)
+
+    def scores(self, q_blk, k_blk, lo, hi, j):
+        """Masked, scaled float32 scores `[G, M, K]` of key block j, and where they are allowed."""
+        s = jnp.einsum("gmd,gkd->gmk", q_blk, k_blk, preferred_element_type=jnp.float32) * self.scale
+        kpos = j * self.bk + jnp.arange(self.bk, dtype=jnp.int32)
+        allowed = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] < hi[:, None])  # [M, K]
+        return jnp.where(allowed, s, _MASKED), allowed
+
+
+def _key_block(x, j, bk):
+    return lax.dynamic_slice_in_dim(x, j * bk, bk, axis=1)
+
+
+def _blocked_forward(q, k, v, kv_start, kv_end, bq, bk):
+    """`(out [B, Lp, H, D], lse [B * nq, G, M])`; lse is the row's log-sum-exp (0 for empty rows)."""
+    lay = _Layout(q, k, bq, bk)
     first, last = block_ranges(kv_start, kv_end, bq, bk)  # [B, nq]
+    keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, G, S, D]
+    m_rows = lay.rep * bq
 
     def one_query_block(xs):
-        q_blk, lo, hi, blk_lo, blk_hi, row = xs  # q_blk [Q, G, R, D]; lo, hi [Q]
-        keys, values = (k[0], v[0]) if b == 1 else (k[row], v[row])  # [S, G, D]
+        q_blk, lo, hi, blk_lo, blk_hi, row = xs
+        kr, vr = keys[row], values[row]
 
-        def visit(carry, j):
+        def visit(j, carry):
             m, total, acc = carry
-            k_blk = lax.dynamic_slice_in_dim(keys, j * bk, bk)
-            v_blk = lax.dynamic_slice_in_dim(values, j * bk, bk)
-            s = jnp.einsum("qgrd,kgd->grqk", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
-            kpos = j * bk + jnp.arange(bk, dtype=jnp.int32)
-            allowed = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] < hi[:, None])  # [Q, K]
-            s = jnp.where(allowed, s, _MASKED)
-            m_new = lax.stop_gradient(jnp.maximum(m, jnp.max(s, axis=-1)))
+            s, allowed = lay.scores(q_blk, _key_block(kr, j, bk), lo, hi, j)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             p = jnp.exp(s - m_new[..., None]) * allowed
             alpha = jnp.exp(m - m_new)
-            pv = jnp.einsum("grqk,kgd->grqd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
+            pv = jnp.einsum("gmk,gkd->gmd", p.astype(vr.dtype), _key_block(vr, j, bk),
+                            preferred_element_type=jnp.float32)
             return m_new, total * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
 
-        def step(carry, j):
-            return lax.cond((j >= blk_lo) & (j < blk_hi), visit, lambda c, _: c, carry, j), None
+        init = (jnp.full((lay.groups, m_rows), _MASKED, jnp.float32),
+                jnp.zeros((lay.groups, m_rows), jnp.float32),
+                jnp.zeros((lay.groups, m_rows, lay.dim), jnp.float32))
+        m, total, acc = lax.fori_loop(blk_lo, blk_hi, visit, init)
+        seen = total > 0
+        out = acc / jnp.where(seen, total, 1.0)[..., None]
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), 0.0)
+        return out.astype(q.dtype), lse
 
-        init = (
-            jnp.full((groups, rep, bq), _MASKED, jnp.float32),
-            jnp.zeros((groups, rep, bq), jnp.float32),
-            jnp.zeros((groups, rep, bq, dim), jnp.float32),
-        )
-        (_, total, acc), _ = lax.scan(step, init, jnp.arange(nk, dtype=jnp.int32))
-        out = acc / jnp.where(total > 0, total, 1.0)[..., None]  # [G, R, Q, D]
-        return jnp.moveaxis(out, 2, 0).astype(q.dtype)  # [Q, G, R, D]
+    xs = (lay.queries(q), lay.runs(kv_start), lay.runs(kv_end), first.reshape(-1), last.reshape(-1),
+          jnp.repeat(jnp.arange(lay.b, dtype=jnp.int32), lay.nq))
+    out, lse = lax.map(one_query_block, xs)
+    return lay.unqueries(out), lse
 
-    xs = (
-        q.reshape(b * nq, bq, groups, rep, dim),
-        kv_start.reshape(b * nq, bq),
-        kv_end.reshape(b * nq, bq),
-        first.reshape(-1),
-        last.reshape(-1),
-        jnp.repeat(jnp.arange(b, dtype=jnp.int32), nq),
-    )
-    out = lax.map(one_query_block, xs)  # [B*nq, Q, G, R, D]
-    return out.reshape(b, lp, heads, dim)[:, :length]
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _blocked(q, k, v, kv_start, kv_end, bq, bk):
+    return _blocked_forward(q, k, v, kv_start, kv_end, bq, bk)[0]
+
+
+def _blocked_fwd(q, k, v, kv_start, kv_end, bq, bk):
+    out, lse = _blocked_forward(q, k, v, kv_start, kv_end, bq, bk)
+    return out, (q, k, v, kv_start, kv_end, out, lse)
+
+
+def _blocked_bwd(bq, bk, residuals, grad):
+    """The flash backward: per visited (query block, key block) pair, recompute the softmax weights
+    from the saved log-sum-exp, then dV += P^T dO, dS = P * (dO V^T - delta), dQ += dS K, dK += dS^T Q.
+    Only the visited pairs are computed; dK and dV accumulate in place over the query blocks."""
+    q, k, v, kv_start, kv_end, out, lse = residuals
+    lay = _Layout(q, k, bq, bk)
+    first, last = block_ranges(kv_start, kv_end, bq, bk)
+    first, last = first.reshape(-1), last.reshape(-1)
+    qb, dob = lay.queries(q), lay.queries(grad.astype(q.dtype))
+    delta = jnp.sum(lay.queries(grad.astype(jnp.float32) * out.astype(jnp.float32)), axis=-1)  # [B*nq, G, M]
+    lo_all, hi_all = lay.runs(kv_start), lay.runs(kv_end)
+    keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, G, S, D]
+    f32 = jnp.float32
+
+    def one_query_block(i, carry):
+        dq, dk, dv = carry
+        row = i // lay.nq
+        q_blk, do_blk, lse_i, delta_i, lo, hi = qb[i], dob[i], lse[i], delta[i], lo_all[i], hi_all[i]
+        kr, vr = keys[row], values[row]
+
+        def visit(j, inner):
+            dq_i, dk, dv = inner
+            k_blk, v_blk = _key_block(kr, j, bk), _key_block(vr, j, bk)
+            s, allowed = lay.scores(q_blk, k_blk, lo, hi, j)
+            p = jnp.exp(s - lse_i[..., None]) * allowed  # [G, M, K]
+            dv_j = jnp.einsum("gmk,gmd->gkd", p.astype(do_blk.dtype), do_blk, preferred_element_type=f32)
+            dp = jnp.einsum("gmd,gkd->gmk", do_blk, v_blk, preferred_element_type=f32)
+            ds = p * (dp - delta_i[..., None]) * lay.scale
+            dq_i = dq_i + jnp.einsum("gmk,gkd->gmd", ds.astype(k_blk.dtype), k_blk, preferred_element_type=f32)
+            dk_j = jnp.einsum("gmk,gmd->gkd", ds.astype(q_blk.dtype), q_blk, preferred_element_type=f32)
+            at = (row, 0, j * bk, 0)
+            dk = lax.dynamic_update_slice(dk, lax.dynamic_slice(dk, at, (1,) + dk_j.shape) + dk_j[None], at)
+            dv = lax.dynamic_update_slice(dv, lax.dynamic_slice(dv, at, (1,) + dv_j.shape) + dv_j[None], at)
+            return dq_i, dk, dv
+
+        dq_i = jnp.zeros(q_blk.shape, f32)
+        dq_i, dk, dv = lax.fori_loop(first[i], last[i], visit, (dq_i, dk, dv))
+        return lax.dynamic_update_index_in_dim(dq, dq_i, i, 0), dk, dv
+
+    zeros = (jnp.zeros(qb.shape, f32), jnp.zeros(keys.shape, f32), jnp.zeros(values.shape, f32))
+    dq, dk, dv = lax.fori_loop(0, lay.b * lay.nq, one_query_block, zeros)
+    dq = lay.unqueries(dq).astype(q.dtype)
+    dk, dv = (x.transpose(0, 2, 1, 3).astype(k.dtype) for x in (dk, dv))
+    return dq, dk, dv, None, None
+
+
+_blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
 
 # ---------------------------------------------------------------------- the same spec, named masks

@@ -44,6 +44,7 @@ import optax
 from flax import nnx
 
 from ..model import MODEL_INPUTS
+from ..shapes import quarter_octave
 from ..sharding import use_mesh
 from ..vision import VisionMetadata
 from .loss import chunked_cross_entropy, shift_labels
@@ -108,7 +109,7 @@ class Trainer:
       chunk_size: tokens per LM-head call in the loss (memory only).
       max_vision_tokens: merged vision tokens per micro-batch the pixels are padded to (default:
         the batch's `batch_size * vision bucket` when the batch carries a `bucket`, else the real count
-        rounded up to a power of two).
+        rounded up to `shapes.quarter_octave`: at most 25% padding, four sizes per doubling).
       seed: the dropout keys (LoRA dropout) of micro-batch k of update s are `fold_in(fold_in(seed,
         s), k)`: a pure function of the step, so a resumed run draws the same masks.
     """
@@ -124,30 +125,48 @@ class Trainer:
 
         # The step's graph has LoRA dropout on; the caller's model is left in evaluation mode.
         set_lora_training(model, True)
-        self.graphdef, self.params, self.keys, self.rest = nnx.split(model, self.trainable, LoRAKey, ...)
+        self.graphdef, params, keys, self.rest = nnx.split(model, self.trainable, LoRAKey, ...)
         set_lora_training(model, False)
         self.seed = seed
-        if not jax.tree.leaves(self.params):
+        # The trainable values as a pure dict (what the jitted functions take and return) and the
+        # model's Variables they are written back to after each update, in the same flat order.
+        self._pure = nnx.to_pure_dict(params)
+        self._keys = nnx.to_pure_dict(keys)
+        if not jax.tree.leaves(self._pure):
             raise ValueError("no trainable parameters: the filter selects nothing")
+        self._targets = _variables_in_order(model, self.trainable, self._pure)
         self.tx = build_optimizer(dataclasses.replace(config, grad_accum_steps=1))
-        self.opt_state = self.tx.init(nnx.to_pure_dict(self.params))
+        self.opt_state = self.tx.init(self._pure)
         self.step_count = 0
         self._schedule = learning_rate_schedule(config.learning_rate, config)
         self._grad = jax.jit(functools.partial(_micro_step, self.graphdef, chunk_size), donate_argnums=(0,))
         self._update = jax.jit(functools.partial(_update, self.tx), donate_argnums=(0, 1))
+        self._zeros = jax.jit(_zeros_like)
+
+    @property
+    def params(self) -> nnx.State:
+        """The trainable parameters (an `nnx.State` of the model's current values)."""
+        return nnx.state(self.model, self.trainable)
+
+    def _set_params(self, pure) -> None:
+        """Make `pure` the trainable values, in the Trainer and in the model."""
+        self._pure = pure
+        for variable, value in zip(self._targets, jax.tree.leaves(pure)):
+            variable.set_value(value)
 
     # ------------------------------------------------------------------ state
 
     def state(self) -> dict[str, Any]:
         """The trainable parameters (pure dict), the optimizer state and the step (for checkpoints)."""
-        return {"params": nnx.to_pure_dict(self.params), "opt_state": self.opt_state,
+        return {"params": self._pure, "opt_state": self.opt_state,
                 "step": jnp.asarray(self.step_count, jnp.int32)}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        nnx.replace_by_pure_dict(self.params, state["params"])
+        params = nnx.state(self.model, self.trainable)
+        nnx.replace_by_pure_dict(params, state["params"])  # matched by path, whatever the key types
+        self._set_params(nnx.to_pure_dict(params))
         self.opt_state = state["opt_state"]
         self.step_count = int(state["step"])
-        nnx.update(self.model, self.params)
 
     # ------------------------------------------------------------------ stepping
 
@@ -164,7 +183,7 @@ class Trainer:
             if tokens is None and "bucket" in batch:
                 tokens = int(batch["input_ids"].shape[0]) * int(batch["bucket"][1])
             if tokens is None:
-                tokens = 1 << max(0, int(inputs.pixel_values.shape[0] // unit) - 1).bit_length()
+                tokens = quarter_octave(inputs.pixel_values.shape[0] // unit)
             inputs = pad_vision(inputs, tokens * unit)
         labels = jnp.asarray(batch["labels"], jnp.int32)
         if labels.shape != inputs.input_ids.shape:
@@ -174,16 +193,13 @@ class Trainer:
     def accumulate(self, micro_batches):
         """`(grads, loss sum, supervised tokens)`: the summed-loss gradients of the trainable
         parameters (pure dict) over `micro_batches`, not yet divided by the token count."""
-        grads = _zeros_like(nnx.to_pure_dict(self.params))
-        total = jnp.zeros((), jnp.float32)
-        count = jnp.zeros((), jnp.int32)
+        grads, total, count = self._zeros((self._pure, jnp.float32(0), jnp.int32(0)))
         base = jax.random.fold_in(jax.random.key(self.seed), self.step_count)
         with use_mesh(self.model):  # a sharded model: its mesh's activation constraints and kernels
             for k, batch in enumerate(micro_batches):
                 inputs, labels = self.prepare(batch)
-                grads, total, count = self._grad((grads, total, count), nnx.to_pure_dict(self.params),
-                                                 nnx.to_pure_dict(self.keys), self.rest, inputs, labels,
-                                                 jax.random.fold_in(base, k))
+                grads, total, count = self._grad((grads, total, count), self._pure, self._keys, self.rest,
+                                                 inputs, labels, jax.random.fold_in(base, k))
         return grads, total, count
 
     def gradients(self, micro_batches):
@@ -205,15 +221,28 @@ class Trainer:
         grads, total, count = self.accumulate(micro_batches)
         lr = float(self._schedule(self.step_count))
         with use_mesh(self.model):
-            params, self.opt_state, norm = self._update(nnx.to_pure_dict(self.params), self.opt_state, grads,
-                                                        count)
-        nnx.replace_by_pure_dict(self.params, params)
-        nnx.update(self.model, self.params)
+            params, self.opt_state, norm = self._update(self._pure, self.opt_state, grads, count)
+        self._set_params(params)
         self.step_count += 1
         tokens = int(count)
         loss = float(total) / max(tokens, 1)
         return {"step": self.step_count, "loss": loss, "tokens": tokens, "learning_rate": lr,
                 "grad_norm": float(norm), "seconds": time.perf_counter() - start}
+
+
+def _variables_in_order(model, trainable, pure) -> list:
+    """The model's Variables selected by `trainable`, in the flat order of `pure` (its pure dict)."""
+    def key(path):
+        return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
+    selected = nnx.filterlib.to_predicate(trainable)
+    found = {tuple(path): node for path, node in nnx.iter_graph(model)
+             if isinstance(node, nnx.Variable) and selected(path, node)}
+    paths = [key(path) for path, _ in jax.tree_util.tree_flatten_with_path(pure)[0]]
+    missing = [p for p in paths if p not in found]
+    if missing or len(found) != len(paths):
+        raise RuntimeError(f"trainable variables and their values disagree: {missing[:3]}")
+    return [found[p] for p in paths]
 
 
 def _fresh_keys(keys, rng):
