@@ -164,6 +164,16 @@ class _Layout:
         return jnp.tile(x.reshape(self.b * self.nq, 1, self.bq), (1, self.rep, 1)).reshape(
             self.b * self.nq, self.rep * self.bq)
 
+    def visited(self, kv_start, kv_end):
+        """Per query block (flat over B * nq), the key-block range `[first, last)` its rows touch."""
+        first, last = block_ranges(kv_start, kv_end, self.bq, self.bk)
+        return first.reshape(-1), last.reshape(-1)
+
+    @staticmethod
+    def keys(x):
+        """`[B, S, G, D]` -> `[B, G, S, D]` (and back: the swap is its own inverse)."""
+        return x.transpose(0, 2, 1, 3)
+
     def scores(self, q_blk, k_blk, lo, hi, j):
         """Masked, scaled float32 scores `[G, M, K]` of key block j, and where they are allowed."""
         s = jnp.einsum("gmd,gkd->gmk", q_blk, k_blk, preferred_element_type=jnp.float32) * self.scale
@@ -179,8 +189,8 @@ def _key_block(x, j, bk):
 def _blocked_forward(q, k, v, kv_start, kv_end, bq, bk):
     """`(out [B, Lp, H, D], lse [B * nq, G, M])`; lse is the row's log-sum-exp (0 for empty rows)."""
     lay = _Layout(q, k, bq, bk)
-    first, last = block_ranges(kv_start, kv_end, bq, bk)  # [B, nq]
-    keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, G, S, D]
+    first, last = lay.visited(kv_start, kv_end)
+    keys, values = lay.keys(k), lay.keys(v)
     m_rows = lay.rep * bq
 
     def one_query_block(xs):
@@ -206,7 +216,7 @@ def _blocked_forward(q, k, v, kv_start, kv_end, bq, bk):
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), 0.0)
         return out.astype(q.dtype), lse
 
-    xs = (lay.queries(q), lay.runs(kv_start), lay.runs(kv_end), first.reshape(-1), last.reshape(-1),
+    xs = (lay.queries(q), lay.runs(kv_start), lay.runs(kv_end), first, last,
           jnp.repeat(jnp.arange(lay.b, dtype=jnp.int32), lay.nq))
     out, lse = lax.map(one_query_block, xs)
     return lay.unqueries(out), lse
@@ -228,12 +238,11 @@ def _blocked_bwd(bq, bk, residuals, grad):
     Only the visited pairs are computed; dK and dV accumulate in place over the query blocks."""
     q, k, v, kv_start, kv_end, out, lse = residuals
     lay = _Layout(q, k, bq, bk)
-    first, last = block_ranges(kv_start, kv_end, bq, bk)
-    first, last = first.reshape(-1), last.reshape(-1)
+    first, last = lay.visited(kv_start, kv_end)
     qb, dob = lay.queries(q), lay.queries(grad.astype(q.dtype))
     delta = jnp.sum(lay.queries(grad.astype(jnp.float32) * out.astype(jnp.float32)), axis=-1)  # [B*nq, G, M]
     lo_all, hi_all = lay.runs(kv_start), lay.runs(kv_end)
-    keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, G, S, D]
+    keys, values = lay.keys(k), lay.keys(v)
     f32 = jnp.float32
 
     def one_query_block(i, carry):
@@ -264,7 +273,7 @@ def _blocked_bwd(bq, bk, residuals, grad):
     zeros = (jnp.zeros(qb.shape, f32), jnp.zeros(keys.shape, f32), jnp.zeros(values.shape, f32))
     dq, dk, dv = lax.fori_loop(0, lay.b * lay.nq, one_query_block, zeros)
     dq = lay.unqueries(dq).astype(q.dtype)
-    dk, dv = (x.transpose(0, 2, 1, 3).astype(k.dtype) for x in (dk, dv))
+    dk, dv = (lay.keys(x).astype(k.dtype) for x in (dk, dv))
     return dq, dk, dv, None, None
 
 

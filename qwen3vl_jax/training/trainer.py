@@ -100,8 +100,8 @@ class Trainer:
     """Optimizer state and the jitted train step for a `Qwen3VL` (full fine-tuning or LoRA).
 
     Args:
-      model: the model; its trainable parameters are updated in place by `step` (re-merged after
-        each update, so `model` always holds the current values).
+      model: the model; its trainable parameters are updated in place by `step` (written back
+        into its Variables after each update, so `model` always holds the current values).
       config: optimizer hyperparameters; `config.grad_accum_steps` is the number of micro-batches
         `step` expects.
       trainable: an nnx filter of the differentiated variables (default: `trainable_filter(
