@@ -159,18 +159,10 @@ class EncoderRunner:
         grid = np.asarray([[p.frames, p.h, p.w] for p in pieces])
         meta = vision_metadata(grid, self.config)
         rows = np.concatenate([np.arange(p.row_start, p.row_start + p.frames * p.h * p.w) for p in pieces])
-        real = rows.size
         patches = budget * self.config.merge_unit
-        pad = patches - real
         pixels = np.zeros((patches, self.config.patch_dim), np.float32)
-        pixels[:real] = pixel_values[rows]
-        padded = VisionMetadata(
-            pos_indices=np.pad(meta.pos_indices, ((0, pad), (0, 0))),
-            pos_weights=np.pad(meta.pos_weights, ((0, pad), (0, 0))),
-            rotary_ids=np.pad(meta.rotary_ids, ((0, pad), (0, 0))),
-            segment_ids=np.pad(meta.segment_ids, (0, pad), constant_values=-1),  # padding: its own segment
-        )
-        return pixels, padded
+        pixels[:rows.size] = pixel_values[rows]
+        return pixels, meta.padded(patches)
 
     # ------------------------------------------------------------------ running
 

@@ -47,16 +47,33 @@ class VisionMetadata:
     pos_indices: `[P, 4]` int32 rows of the position table; pos_weights: `[P, 4]` float32.
     rotary_ids: `[P, 2]` int32 (row, col) of each patch in its frame.
     segment_ids: `[P]` int32, one id per temporal slice of each item; negative = padding.
+    frame_rows: static; the patches of every frame when all frames have the same size, else 0 (a
+      hint that lets attention align its blocks with the frames: `AttentionMask.segment_rows`).
     """
 
     pos_indices: np.ndarray
     pos_weights: np.ndarray
     rotary_ids: np.ndarray
     segment_ids: np.ndarray
+    frame_rows: int = 0
+
+    def padded(self, patches: int) -> "VisionMetadata":
+        """The metadata of `patches` rows, the extra rows padding (their own attention segment, -1,
+        never merged into a token that is used). A padded call serves items of any size, so it
+        drops `frame_rows` and compiles once per size. Works on numpy and jax arrays alike."""
+        real = self.segment_ids.shape[0]
+        if real > patches:
+            raise ValueError(f"{real} patches exceed the vision budget of {patches} patches")
+        pad = patches - real
+        xp = jnp if isinstance(self.segment_ids, jax.Array) else np
+        rows = lambda x: xp.pad(x, ((0, pad), (0, 0)))  # noqa: E731
+        return VisionMetadata(rows(self.pos_indices), rows(self.pos_weights), rows(self.rotary_ids),
+                              xp.pad(self.segment_ids, (0, pad), constant_values=-1))
 
 
 jax.tree_util.register_dataclass(
-    VisionMetadata, data_fields=["pos_indices", "pos_weights", "rotary_ids", "segment_ids"], meta_fields=[]
+    VisionMetadata, data_fields=["pos_indices", "pos_weights", "rotary_ids", "segment_ids"],
+    meta_fields=["frame_rows"]
 )
 
 
@@ -111,6 +128,7 @@ def vision_metadata(grid_thw, config: VisionConfig) -> VisionMetadata:
     grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
     indices, weights = interpolation_taps(grid, config.num_grid_per_side, config.spatial_merge_size)
     rotary, segments = [], []
+    sizes = {int(h * w) for _, h, w in grid}
     next_segment = 0
     for t, h, w in grid:
         rows, cols = merge_order_rows_cols(int(h), int(w), config.spatial_merge_size)
@@ -122,6 +140,7 @@ def vision_metadata(grid_thw, config: VisionConfig) -> VisionMetadata:
         pos_weights=weights,
         rotary_ids=np.concatenate(rotary).astype(np.int32) if rotary else np.zeros((0, 2), np.int32),
         segment_ids=np.concatenate(segments).astype(np.int32) if segments else np.zeros((0,), np.int32),
+        frame_rows=sizes.pop() if len(sizes) == 1 else 0,
     )
 
 
@@ -272,7 +291,7 @@ class VisionModel(nnx.Module):
         )
         x = x + pos.astype(x.dtype)
         cos, sin = vision_rotary_cos_sin(meta.rotary_ids, jnp.asarray(vision_rotary_inv_freq(self.config)))
-        mask = AttentionMask.segments(meta.segment_ids)
+        mask = AttentionMask.segments(meta.segment_ids, meta.frame_rows)
         taps = self.config.deepstack_visual_indexes
         # Block index -> deepstack level (-1: none), so a scanned stack can tap by a traced index.
         level_of = np.full(self.config.depth, -1, np.int32)

@@ -57,6 +57,53 @@ def test_block_ranges_cover_only_overlapping_segments():
     np.testing.assert_array_equal(hi, [3, 3, 4, 4])
 
 
+@pytest.mark.parametrize("rows,length,block,expected", [
+    (784, 3136, 512, 392),   # a long frame: halves, so 8 blocks each visit their own 2 key blocks
+    (196, 784, 512, 392),    # short frames: two whole frames per block
+    (16, 528, 512, 272),     # 33 frames of 16: 2 blocks of 17 frames, not 512 + 16
+    (1018, 1018, 512, 509),  # a divisor that is not a multiple of 8 is still taken
+    (1031, 1031, 512, 344),  # a prime: no divisor, so the balanced block (3 x 344)
+])
+def test_aligned_block(rows, length, block, expected):
+    got = reference.aligned_block(rows, length, block)
+    assert got == expected
+    assert got % rows == 0 or rows % got == 0 or rows == 1031
+
+
+@pytest.mark.parametrize("frames,rows,hint", [(4, 40, 40), (3, 24, 24), (5, 20, 20), (4, 40, 24), (4, 40, 0)])
+def test_segment_rows_hint_changes_work_not_result(frames, rows, hint):
+    """Equal frames (and trailing padding) with the block layout aligned by the hint, a wrong hint and
+    none: all equal the dense oracle, and so do their gradients; the right hint visits fewer pairs."""
+    seg = np.concatenate([np.repeat(np.arange(frames), rows), np.full(6, -1)]).astype(np.int32)
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, len(seg), 4, 8)), jnp.float32) for _ in range(3))
+    mask = AttentionMask.segments(jnp.asarray(seg), hint)
+    assert mask.segment_rows == hint
+
+    def run(q, k, v, block=32):
+        return reference.attention(q, k, v, mask.kv_start, mask.kv_end, block_q=block, block_k=block,
+                                   segment_rows=mask.segment_rows)
+
+    dense = mask.dense(len(seg))
+    np.testing.assert_allclose(run(q, k, v), reference.masked_attention(q, k, v, dense), atol=1e-5, rtol=1e-5)
+    probe = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    grads = jax.grad(lambda *a: jnp.sum(run(*a) * probe), argnums=(0, 1, 2))(q, k, v)
+    oracle = jax.grad(lambda *a: jnp.sum(reference.masked_attention(*a, dense) * probe), argnums=(0, 1, 2))(q, k, v)
+    for got, want in zip(grads, oracle):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    if hint == rows:  # aligned: each query block visits only the key blocks of its own frames
+        block = reference.aligned_block(rows, len(seg), 32)
+        kv_start, kv_end = (jnp.pad(x, ((0, 0), (0, -len(seg) % block))) for x in (mask.kv_start, mask.kv_end))
+        lo, hi = reference.block_ranges(kv_start, kv_end, block, block)
+        balanced = reference.balanced_block(len(seg), 32)
+        pad = -len(seg) % balanced
+        blo, bhi = reference.block_ranges(*(jnp.pad(x, ((0, 0), (0, pad))) for x in (mask.kv_start, mask.kv_end)),
+                                          balanced, balanced)
+        aligned_rows = int(jnp.sum(hi - lo)) * block * block
+        balanced_rows = int(jnp.sum(bhi - blo)) * balanced * balanced
+        assert aligned_rows < balanced_rows, (block, balanced, aligned_rows, balanced_rows)
+
+
 def test_four_large_images_do_not_allocate_a_full_score_matrix():
     """Four 1024x1024 images (4 x 4096 patches, 16 heads, head_dim 72) in one call."""
     tokens, heads, dim = 4 * 4096, 16, 72

@@ -141,6 +141,20 @@ def test_tower(hf_model, jax_model, case):
         assert_close(deepstack[level], ref.numpy(), "f32_tower", f"{case}: deepstack {level}")
 
 
+def test_metadata_frame_rows_hint(jax_model):
+    """Frames of one size give attention the `frame_rows` hint; mixed sizes and padded calls (which
+    serve any sizes under one compile) give none. Padding rows are their own segment, -1."""
+    config = jax_model.config.vision
+    assert vision_metadata(np.asarray([[2, 4, 6], [1, 6, 4]]), config).frame_rows == 24
+    mixed = vision_metadata(np.asarray([[1, 4, 4], [1, 4, 6]]), config)
+    assert mixed.frame_rows == 0
+    padded = vision_metadata(np.asarray([[2, 4, 6]]), config).padded(64)
+    assert padded.frame_rows == 0 and padded.segment_ids.shape == (64,)
+    np.testing.assert_array_equal(padded.segment_ids[48:], -1)
+    with pytest.raises(ValueError, match="exceed the vision budget"):
+        mixed.padded(8)
+
+
 def test_tower_accepts_jax_inputs_and_matches_numpy(jax_model):
     grid = np.asarray([[1, 4, 4]])
     pix = _pixels(grid, jax_model.config.vision.patch_dim, seed=4)

@@ -106,7 +106,7 @@ def attention(q, k, v, mask: AttentionMask, *, implementation: str = "auto", blo
         raise ValueError(f"mask describes {mask.shape} query rows but q has {q.shape[:2]}")
     k, v = k.astype(q.dtype), v.astype(q.dtype)
     if not use_pallas:
-        op = reference.attention
+        op = functools.partial(reference.attention, segment_rows=mask.segment_rows)
     else:
         op = functools.partial(_pallas_attention, interpret=interpret, block_q=block_q, block_k=block_k,
                                num_splits=num_splits)

@@ -13,8 +13,11 @@ The constructors say what the mask is:
   padding: `starts = 0`); the query in slot `offset + i` sees the real keys up to itself. With a KV
   cache, `offset` is the slot the call starts writing at, so prefill (offset 0) and one decode
   step (offset = the cache index, `num_queries = 1`) are the same constructor.
-- `AttentionMask.segments(segment_ids)`: packed non-causal attention within contiguous segments
-  (one per image frame in the vision tower); negative ids are padding.
+- `AttentionMask.segments(segment_ids, segment_rows)`: packed non-causal attention within contiguous
+  segments (one per image frame in the vision tower); negative ids are padding. `segment_rows`, when
+  the caller knows it, says every segment is that many rows long, starting at row 0: a static hint
+  the blocked spec uses to align its blocks with the segments (`reference.aligned_block`). It
+  changes which block pairs are computed, never the result.
 
 `dense(num_keys)` expands a description to the boolean `[B, L, S]` mask: a test oracle only.
 
@@ -34,10 +37,14 @@ __all__ = ["AttentionMask", "segment_intervals"]
 
 @dataclasses.dataclass(frozen=True)
 class AttentionMask:
-    """Per query row, the key run `[kv_start, kv_end)`; both `[B, L]` int32 (a pytree)."""
+    """Per query row, the key run `[kv_start, kv_end)`; both `[B, L]` int32 (a pytree).
+
+    `segment_rows` (static, 0 = no promise): every segment is this many rows, the first at row 0.
+    """
 
     kv_start: jax.Array
     kv_end: jax.Array
+    segment_rows: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -56,11 +63,16 @@ class AttentionMask:
         return cls(jnp.where(real, starts, 0), jnp.where(real, slot + 1, 0))
 
     @classmethod
-    def segments(cls, segment_ids) -> "AttentionMask":
-        """Non-causal attention within contiguous runs of equal ids; `segment_ids [S]` or `[B, S]`."""
+    def segments(cls, segment_ids, segment_rows: int = 0) -> "AttentionMask":
+        """Non-causal attention within contiguous runs of equal ids; `segment_ids [S]` or `[B, S]`.
+
+        `segment_rows`: the common length of the segments when the caller knows it (a hint for the
+        block layout; 0 = unknown or mixed)."""
         ids = jnp.asarray(segment_ids, jnp.int32)
         lo, hi = segment_intervals(ids)
-        return cls(lo, hi) if ids.ndim == 2 else cls(lo[None], hi[None])
+        if ids.ndim == 1:
+            lo, hi = lo[None], hi[None]
+        return cls(lo, hi, int(segment_rows))
 
     def dense(self, num_keys: int) -> jax.Array:
         """The boolean `[B, L, S]` mask this describes (test oracle; never on the model's path)."""
@@ -68,7 +80,7 @@ class AttentionMask:
         return (pos >= self.kv_start[..., None]) & (pos < self.kv_end[..., None])
 
 
-jax.tree_util.register_dataclass(AttentionMask, data_fields=["kv_start", "kv_end"], meta_fields=[])
+jax.tree_util.register_dataclass(AttentionMask, data_fields=["kv_start", "kv_end"], meta_fields=["segment_rows"])
 
 
 def segment_intervals(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -13,7 +13,9 @@ log-sum-exp and accumulates dQ per query block and dK, dV in place. So
 - memory follows the block size, not L x S, in the forward and in the backward (nothing of size
   `[L, S]` is saved for the backward, unlike autodiff through the loops);
 - block sizes are evened out (`balanced_block`): 784 rows in blocks of up to 512 are 2 x 392, not
-  a 1024-row padding;
+  a 1024-row padding; when every segment has the same known length, blocks divide it
+  (`aligned_block`), so no block straddles two segments: 4 frames of 784 rows are 8 blocks of 392,
+  each visiting 2 key blocks, where 7 blocks of 448 would visit 3 to 4;
 - no `[B, L, S]` mask exists anywhere: each visit compares a key-position iota with the rows' runs.
 
 A single query row per batch row (decode) takes a plain pass over the keys instead (its mask is
@@ -40,6 +42,7 @@ __all__ = [
     "attention",
     "block_ranges",
     "balanced_block",
+    "aligned_block",
     "ATTENTION_BLOCK",
     "varlen_attention",
     "causal_attention",
@@ -70,6 +73,25 @@ def block_ranges(kv_start, kv_end, block_q: int, block_k: int) -> tuple[jax.Arra
     return first.astype(jnp.int32), jnp.maximum(last, first).astype(jnp.int32)
 
 
+def aligned_block(segment_rows: int, length: int, block: int) -> int:
+    """A block size of about `block` rows that never straddles two segments of `segment_rows` rows
+    laid end to end from row 0 over `length` rows: a divisor of a long segment (784 -> 392), or a
+    whole number of short segments, as few blocks as possible and evened out (40 segments of 16
+    rows in blocks of up to 512 -> 2 blocks of 20 segments). `balanced_block(length, block)` when a
+    long segment has no divisor of at least a quarter of `block`."""
+    if segment_rows <= block:
+        segments = -(-length // segment_rows)
+        per_block = block // segment_rows
+        blocks = -(-segments // per_block)
+        return -(-segments // blocks) * segment_rows
+    pieces = -(-segment_rows // block)
+    while segment_rows % pieces and segment_rows // pieces >= max(8, block // 4):
+        pieces += 1
+    if segment_rows % pieces:
+        return balanced_block(length, block)
+    return segment_rows // pieces
+
+
 def balanced_block(length: int, block: int) -> int:
     """The block size that splits `length` rows into as few blocks of at most `block` rows as
     possible, all equal and a multiple of 8 (the f32 vector width): 784 rows in blocks of up to
@@ -97,15 +119,19 @@ def _single_query(q, k, v, kv_start, kv_end, scale):
     return out.reshape(b, heads, dim)
 
 
-@functools.partial(jax.jit, static_argnames=("block_q", "block_k"))
-def attention(q, k, v, kv_start, kv_end, *, block_q: int = ATTENTION_BLOCK, block_k: int = ATTENTION_BLOCK):
+@functools.partial(jax.jit, static_argnames=("block_q", "block_k", "segment_rows"))
+def attention(q, k, v, kv_start, kv_end, *, block_q: int = ATTENTION_BLOCK, block_k: int = ATTENTION_BLOCK,
+              segment_rows: int = 0):
     """Grouped-query attention where query row `(b, i)` sees keys `kv_start[b, i] <= s < kv_end[b, i]`.
 
     Args:
       q: `[B, L, H, D]`; k, v: `[B, S, G, D]` with H a multiple of G (query head h reads kv head
         h // (H / G), HF's `repeat_kv` order).
       kv_start, kv_end: `[B, L]` int32 key runs (`AttentionMask`'s fields); empty -> zero row.
-      block_q, block_k: block sizes (capped at the padded lengths).
+      block_q, block_k: block sizes (evened out by `balanced_block`).
+      segment_rows: static hint (0 = none) that the rows form segments of this many rows from row 0
+        (`AttentionMask.segment_rows`; self-attention, L == S): blocks of `aligned_block(...,
+        block_q)` rows for queries and keys alike. Changes the work done, never the result.
     Returns:
       `[B, L, H, D]` in q's dtype. Scores, softmax and accumulation in float32, scale 1/sqrt(D).
     """
@@ -120,7 +146,10 @@ def attention(q, k, v, kv_start, kv_end, *, block_q: int = ATTENTION_BLOCK, bloc
     if length == 1:
         return _single_query(q[:, 0], k, v, kv_start[:, 0], kv_end[:, 0], dim**-0.5)[:, None].astype(q.dtype)
 
-    bq, bk = balanced_block(length, block_q), balanced_block(kv_len, block_k)
+    if segment_rows and length == kv_len:
+        bq = bk = aligned_block(segment_rows, length, block_q)
+    else:
+        bq, bk = balanced_block(length, block_q), balanced_block(kv_len, block_k)
     lp, sp = -(-length // bq) * bq, -(-kv_len // bk) * bk
     if lp != length:  # padded query rows see nothing
         q = jnp.pad(q, ((0, 0), (0, lp - length), (0, 0), (0, 0)))

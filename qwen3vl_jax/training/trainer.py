@@ -22,7 +22,9 @@ vision tower runs inside the differentiated function. The pixels and the tower's
 to a fixed patch budget per vision bucket (`batch_size * vision bucket` merged tokens, the bound
 `SFTDataset` guarantees), padding in its own attention segment as `buckets.EncoderRunner` does; the
 padded rows are never spliced in. So the micro-step compiles once per `(length bucket, vision
-bucket)` and the update once; `COMPILE_COUNTS` counts the traces.
+bucket)` and the update once; `COMPILE_COUNTS` counts the traces. Without accumulation
+(`grad_accum_steps == 1`) `step` runs gradient and update as one program ("step"), compiled once per
+bucket, so no accumulator is zeroed and added to and the AdamW arithmetic fuses into the backward.
 
 Precision: build the model with `param_dtype=jnp.float32, dtype=jnp.bfloat16` for f32 master weights
 with bf16 compute (the gradients and AdamW run in f32 on the f32 parameters); `remat=True` on the
@@ -46,14 +48,14 @@ from flax import nnx
 from ..model import MODEL_INPUTS
 from ..shapes import quarter_octave
 from ..sharding import use_mesh
-from ..vision import VisionMetadata
 from .loss import chunked_cross_entropy, shift_labels
 from .optim import OptimConfig, build_optimizer, learning_rate_schedule, param_part
 
 __all__ = ["Trainer", "trainable_filter", "pad_vision", "COMPILE_COUNTS"]
 
 COMPILE_COUNTS: collections.Counter = collections.Counter()
-"""Traces of the jitted micro-step ("grad") and update ("update"); incremented at trace time only."""
+"""Traces of the jitted micro-step ("grad"), update ("update") and single-micro-batch step
+("step"); incremented at trace time only."""
 
 
 def trainable_filter(freeze: tuple[str, ...] = ()):
@@ -70,24 +72,12 @@ def trainable_filter(freeze: tuple[str, ...] = ()):
 
 
 def pad_vision(inputs, patches: int):
-    """`inputs` with the pixels and the tower's metadata padded to `patches` rows (fixed shapes).
-
-    The padding is its own attention segment (-1), so it never mixes with real patches, and its
-    merged rows are never referenced by `visual_index`.
-    """
+    """`inputs` with the pixels and the tower's metadata padded to `patches` rows (fixed shapes;
+    `VisionMetadata.padded`)."""
     if inputs.pixel_values is None:
         return inputs
-    real = inputs.pixel_values.shape[0]
-    if real > patches:
-        raise ValueError(f"{real} patches exceed the vision budget of {patches} patches")
-    pad = patches - real
-    meta = inputs.vision
-    vision = VisionMetadata(
-        pos_indices=jnp.pad(meta.pos_indices, ((0, pad), (0, 0))),
-        pos_weights=jnp.pad(meta.pos_weights, ((0, pad), (0, 0))),
-        rotary_ids=jnp.pad(meta.rotary_ids, ((0, pad), (0, 0))),
-        segment_ids=jnp.pad(meta.segment_ids, (0, pad), constant_values=-1),
-    )
+    vision = inputs.vision.padded(patches)
+    pad = patches - inputs.pixel_values.shape[0]
     return dataclasses.replace(inputs, pixel_values=jnp.pad(inputs.pixel_values, ((0, pad), (0, 0))),
                                vision=vision)
 
@@ -142,6 +132,8 @@ class Trainer:
         self._grad = jax.jit(functools.partial(_micro_step, self.graphdef, chunk_size), donate_argnums=(0,))
         self._update = jax.jit(functools.partial(_update, self.tx), donate_argnums=(0, 1))
         self._zeros = jax.jit(_zeros_like)
+        self._whole = jax.jit(functools.partial(_whole_step, self.graphdef, chunk_size, self.tx),
+                              donate_argnums=(0, 1))
 
     @property
     def params(self) -> nnx.State:
@@ -190,16 +182,19 @@ class Trainer:
             raise ValueError(f"labels shape {labels.shape} != input_ids shape {inputs.input_ids.shape}")
         return inputs, labels
 
+    def _dropout_key(self, k: int):
+        """The LoRA dropout key of micro-batch `k` of the current update."""
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), self.step_count), k)
+
     def accumulate(self, micro_batches):
         """`(grads, loss sum, supervised tokens)`: the summed-loss gradients of the trainable
         parameters (pure dict) over `micro_batches`, not yet divided by the token count."""
         grads, total, count = self._zeros((self._pure, jnp.float32(0), jnp.int32(0)))
-        base = jax.random.fold_in(jax.random.key(self.seed), self.step_count)
         with use_mesh(self.model):  # a sharded model: its mesh's activation constraints and kernels
             for k, batch in enumerate(micro_batches):
                 inputs, labels = self.prepare(batch)
                 grads, total, count = self._grad((grads, total, count), self._pure, self._keys, self.rest,
-                                                 inputs, labels, jax.random.fold_in(base, k))
+                                                 inputs, labels, self._dropout_key(k))
         return grads, total, count
 
     def gradients(self, micro_batches):
@@ -218,10 +213,16 @@ class Trainer:
             raise ValueError(f"expected {self.config.grad_accum_steps} micro-batches, "
                              f"got {len(micro_batches)}")
         start = time.perf_counter()
-        grads, total, count = self.accumulate(micro_batches)
         lr = float(self._schedule(self.step_count))
-        with use_mesh(self.model):
-            params, self.opt_state, norm = self._update(self._pure, self.opt_state, grads, count)
+        if len(micro_batches) == 1:  # no accumulation: gradient and update in one program
+            with use_mesh(self.model):
+                inputs, labels = self.prepare(micro_batches[0])
+                params, self.opt_state, total, count, norm = self._whole(
+                    self._pure, self.opt_state, self._keys, self.rest, inputs, labels, self._dropout_key(0))
+        else:
+            grads, total, count = self.accumulate(micro_batches)
+            with use_mesh(self.model):
+                params, self.opt_state, norm = self._update(self._pure, self.opt_state, grads, count)
         self._set_params(params)
         self.step_count += 1
         tokens = int(count)
@@ -256,9 +257,8 @@ def _fresh_keys(keys, rng):
     return jax.tree_util.tree_unflatten(treedef, fresh)
 
 
-def _micro_step(graphdef, chunk_size, acc, params, keys, rest, inputs, labels, rng):
-    """Add this micro-batch's gradient of the summed token losses, its loss sum and token count."""
-    COMPILE_COUNTS["grad"] += 1
+def _summed_loss_grads(graphdef, chunk_size, params, keys, rest, inputs, labels, rng):
+    """`(grads, loss sum, token count)` of one micro-batch: the gradient of its summed token losses."""
     keys = nnx.State(_fresh_keys(keys, rng))
 
     def summed_loss(params):
@@ -268,13 +268,33 @@ def _micro_step(graphdef, chunk_size, acc, params, keys, rest, inputs, labels, r
         return total, n
 
     (total, n), grads = jax.value_and_grad(summed_loss, has_aux=True)(params)
+    return grads, total, n.astype(jnp.int32)
+
+
+def _micro_step(graphdef, chunk_size, acc, params, keys, rest, inputs, labels, rng):
+    """Add this micro-batch's gradient of the summed token losses, its loss sum and token count."""
+    COMPILE_COUNTS["grad"] += 1
+    grads, total, n = _summed_loss_grads(graphdef, chunk_size, params, keys, rest, inputs, labels, rng)
     acc_grads, acc_total, acc_count = acc
-    return jax.tree.map(jnp.add, acc_grads, grads), acc_total + total, acc_count + n.astype(jnp.int32)
+    return jax.tree.map(jnp.add, acc_grads, grads), acc_total + total, acc_count + n
+
+
+def _whole_step(graphdef, chunk_size, tx, params, opt_state, keys, rest, inputs, labels, rng):
+    """One update from a single micro-batch in one program: no accumulator, and XLA fuses the
+    AdamW arithmetic into the backward pass that produces each gradient."""
+    COMPILE_COUNTS["step"] += 1
+    grads, total, n = _summed_loss_grads(graphdef, chunk_size, params, keys, rest, inputs, labels, rng)
+    params, opt_state, norm = _apply(tx, params, opt_state, grads, n)
+    return params, opt_state, total, n, norm
 
 
 def _update(tx, params, opt_state, grads, count):
     """Divide the accumulated gradient by the supervised-token count, then clip + AdamW."""
     COMPILE_COUNTS["update"] += 1
+    return _apply(tx, params, opt_state, grads, count)
+
+
+def _apply(tx, params, opt_state, grads, count):
     scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
     grads = jax.tree.map(lambda g: g * scale, grads)
     updates, opt_state = tx.update(grads, opt_state, params)
