@@ -585,8 +585,8 @@ def test_video_tokens_per_frame_hook(ours):
     ids = pruned["input_ids"][0]
     assert (ids == ours.video_token_id).sum() == kept
     assert (pruned["mm_token_type_ids"][0] == 2).sum() == kept
-    assert (ids == ours.vision_start_token_id).sum() == t + 1  # outer wrapper + one per frame
-    expected = text.replace("<|video_pad|>", ours.video_placeholder(full["video_timestamps"][0],
+    assert (ids == ours.vision_start_token_id).sum() == t  # one per frame, no outer wrapper
+    expected = text.replace(VID, ours.video_placeholder(full["video_timestamps"][0],
                                                                     [kept] + [0] * (t - 1)))
     assert ids.tolist() == ours.encode([expected])[0]
     # pixels are not touched by the hook
@@ -732,8 +732,9 @@ def test_call_time_min_max_pixels_resize_images_only(hf, ours):
 
 
 def test_call_time_min_max_frames_are_ignored_as_in_hf(hf, ours):
-    """HF 5.x samples with the processor's own min_frames / max_frames / max_video_tokens (its
-    config); at call time they are accepted and change nothing. Set them at from_pretrained."""
+    """HF 5.x samples with the processor's own min_frames / max_frames (its config); at call time
+    they are accepted and change nothing. Set them at from_pretrained. A call-time max_video_tokens
+    caps the frames under cap_pixels_per_frame (HF >= 5.25)."""
     video = rand_video(21, 40, 56, seed=12)
     meta = [{"fps": 7.0, "total_num_frames": 21}]
     base = ours(text=VID, videos=[video], video_metadata=meta, return_tensors="np")
@@ -746,6 +747,20 @@ def test_call_time_min_max_frames_are_ignored_as_in_hf(hf, ours):
         assert b["video_timestamps"] == hf_timestamps(hf, a)
         if "cap_pixels_per_frame" not in kw:
             assert_same_text(base, b)
+    large, meta = rand_video(8, 240, 320, seed=12), [{"fps": 4.0, "total_num_frames": 8}]
+    grids = set()
+    for kw in ({"cap_pixels_per_frame": True}, {"cap_pixels_per_frame": True, "max_video_tokens": 20},
+               {"videos_kwargs": {"cap_pixels_per_frame": True, "max_video_tokens": 20}}):
+        a = hf(text=VID, videos=[large], video_metadata=meta, return_tensors="np", **kw)
+        b = ours(text=VID, videos=[large], video_metadata=meta, return_tensors="np", **kw)
+        assert_same_text(a, b)
+        assert_same_grids(a, b, "video_grid_thw")
+        assert_resampling_noise(a["pixel_values_videos"], b["pixel_values_videos"], f"capped video {kw}")
+        grids.add(tuple(b["video_grid_thw"][0].tolist()))
+    assert len(grids) == 2  # the call-time cap changed the frame size
+    for bad in (0, -3, 2.5, "20", True):
+        with pytest.raises(ValueError, match="max_video_tokens"):
+            ours(text=VID, videos=[large], video_metadata=meta, cap_pixels_per_frame=True, max_video_tokens=bad)
 
 
 def test_from_pretrained_frame_limits_are_honoured(ckpt, ours):

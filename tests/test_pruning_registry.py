@@ -228,3 +228,25 @@ def test_sub_grid_and_evenly_spaced_edges():
         assert baselines.sub_grid(3, 4, k).sum() == k
     with pytest.raises(ValueError, match="cannot keep 13"):
         baselines.sub_grid(3, 4, 13)
+
+
+def test_prompt_text_tokens_in_both_prompt_layouts():
+    """The text a text-guided method sees: outside vision blocks, not the timestamps between a
+    lumped video's frames; in the layout with an outer pair (older HF) not the first one either."""
+    from qwen3vl_jax.pruning.apply import prompt_text_tokens
+
+    VS, VE, IMG, VID, TS, Q = 90, 91, 92, 93, 7, 5  # TS: timestamp text, Q: question text
+    image = [VS, IMG, IMG, VE]
+    frames = [TS, VS, VID, VID, VID, VE, TS, TS, VS, VE, TS, VS, VE]  # 3 frames, all 3 kept in frame 0
+    current = [Q, Q] + image + [Q] + frames + [Q]
+    older = [Q, Q] + image + [Q] + [VS] + frames + [VE] + [Q]
+    pad = 3
+    for layout, first_stamp in ((current, 7), (older, None)):
+        ids = np.array([0] * pad + layout)
+        types = np.where(ids == IMG, 1, np.where(ids == VID, 2, 0))
+        mask = np.arange(ids.size) >= pad
+        expected = ids == Q
+        if first_stamp is not None:  # the first frame's timestamp: nothing tells it from the question
+            assert ids[pad + first_stamp] == TS and ids[pad + first_stamp + 1] == VS
+            expected[pad + first_stamp] = True
+        np.testing.assert_array_equal(prompt_text_tokens(ids, types, mask, VS, VE), expected)

@@ -20,8 +20,9 @@ patch order before conversion; images and temporal-patch chunks of a video run o
 
 Keywords follow HF 5.x's groups (`text_kwargs`, `images_kwargs`, `videos_kwargs`, `common_kwargs`;
 see `processor.py`), including its refusals; as in HF, call-time `min_pixels` / `max_pixels` reach
-images only, and call-time `min_frames` / `max_frames` / `max_video_tokens` change nothing (the
-processor's config decides; set them with `from_pretrained(videos_kwargs=...)`).
+images only, call-time `min_frames` / `max_frames` change nothing (the processor's config decides;
+set them with `from_pretrained(videos_kwargs=...)`), and call-time `max_video_tokens` caps the frames
+under `cap_pixels_per_frame` (HF >= 5.25).
 
 Deliberate differences from HF (each a clear error or a documented choice, never a silent
 divergence on input both accept): a keyword no group knows is a TypeError (HF warns and ignores

@@ -186,7 +186,8 @@ class Qwen3VLProcessor:
 
         Args:
           text: prompt(s) holding one `<|image_pad|>` per image and one `<|video_pad|>` per video
-            (as the chat template writes them, each inside `<|vision_start|> ... <|vision_end|>`).
+            (as the chat template writes them, each inside `<|vision_start|> ... <|vision_end|>`; a
+            video's wrapper gives way to its per-frame markers, as in HF transformers >= 5.25).
           images: PIL images, numpy arrays (H, W, C) or paths, flat across the batch.
           videos: frames arrays (T, H, W, C), lists of frames (images or image files), or video files.
           **kwargs: HF's keywords, by group (module docstring), among them

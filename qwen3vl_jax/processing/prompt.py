@@ -89,8 +89,17 @@ def video_placeholder(timestamps: Sequence[float], tokens_per_frame: Sequence[in
     return "".join(parts)
 
 
+# The chat template writes a video as `<|vision_start|><|video_pad|><|vision_end|>`. Each frame of the
+# expansion carries its own markers, so (as HF transformers >= 5.25) the template's wrapper is
+# collapsed to the bare pad token first: no outer marker pair around a video's frames.
+VIDEO_WRAPPER = VISION_START + VIDEO_TOKEN + VISION_END
+
+
 def expand(texts: list[str], image_repl: list[str], video_repl: list[str]) -> list[str]:
-    """Replace the i-th image / video pad token across the batch with the i-th expansion."""
+    """Replace the i-th image / video pad token across the batch with the i-th expansion (a video's
+    `VIDEO_WRAPPER` is replaced as a whole)."""
+    if video_repl:
+        texts = [text.replace(VIDEO_WRAPPER, VIDEO_TOKEN) for text in texts]
     pattern = re.compile(re.escape(IMAGE_TOKEN) + "|" + re.escape(VIDEO_TOKEN))
     images, videos = iter(image_repl), iter(video_repl)
 

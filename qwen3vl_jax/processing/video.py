@@ -252,14 +252,20 @@ class VideoProcessor:
                  fps: float | None = None, num_frames: int | None = None, num_threads: int | None = None,
                  **kwargs) -> dict[str, Any]:
         """Keywords as HF's `Qwen3VLVideoProcessor` takes them (`VIDEO_KEYS`). As in HF 5.x,
-        `min_frames`, `max_frames` and `max_video_tokens` are the processor's own (its config, or
-        `from_pretrained(videos_kwargs=...)`): given at call time they are accepted and have no effect."""
+        `min_frames` and `max_frames` are the processor's own (its config, or
+        `from_pretrained(videos_kwargs=...)`): given at call time they are accepted and have no effect.
+        `max_video_tokens` (the per-frame cap under `cap_pixels_per_frame`) is honoured at call time,
+        as in HF >= 5.25."""
         unknown = set(kwargs) - VIDEO_KEYS
         if unknown:
             raise TypeError(f"unexpected video processor keyword argument(s): {sorted(unknown)}")
         config = _size_overrides(self.config, kwargs)
-        vc = replace(self.video, **{k: kwargs[k] for k in ("do_sample_frames", "cap_pixels_per_frame")
+        vc = replace(self.video, **{k: kwargs[k] for k in ("do_sample_frames", "cap_pixels_per_frame",
+                                                           "max_video_tokens")
                                     if kwargs.get(k) is not None})
+        if isinstance(vc.max_video_tokens, bool) or not isinstance(vc.max_video_tokens, (int, np.integer)) \
+                or vc.max_video_tokens < 1:
+            raise ValueError(f"max_video_tokens must be a positive int, got {vc.max_video_tokens!r}")
         if isinstance(videos, (list, tuple)) and videos and not _is_video(videos) and all(
                 isinstance(v, (str, os.PathLike, list, tuple)) or _is_video(v) for v in videos):
             videos = list(videos)  # one entry per video already (what the processor passes)

@@ -63,16 +63,25 @@ def placeholder_tokens(video_grid_thw, spatial_merge_size: int, spec: tuple[str,
 
 
 def prompt_text_tokens(ids, types, mask, vision_start_token_id: int, vision_end_token_id: int) -> np.ndarray:
-    """Bool `[L]`: the row's text outside vision blocks (not markers, timestamps or padding).
+    """Bool `[L]`: the row's text outside vision blocks (not markers, padding, or the timestamps
+    between a lumped video's frames).
 
-    Depth counting over `<|vision_start|>` / `<|vision_end|>` handles HF's outer wrapper around a
-    video's per-frame blocks, whose timestamps sit at depth 1.
+    In a lumped prompt every frame after the first is an empty block `<|vision_start|><|vision_end|>`
+    after its timestamp, so the text whose next marker opens an empty block is a timestamp. The first
+    frame's timestamp precedes the video's first block with nothing to tell it from the question
+    (the prompt layout of HF transformers >= 5.25); it counts as text. Depth counting over the markers
+    also handles the older layout's outer pair around a video's frames (its timestamps sit at depth 1).
     """
     ids, types, mask = np.asarray(ids), np.asarray(types), np.asarray(mask, bool)
     opens = (ids == vision_start_token_id) & mask
     closes = (ids == vision_end_token_id) & mask
     depth_before = np.cumsum(opens) - np.cumsum(closes) - opens + closes  # depth before each token's own marker
-    return mask & (types == 0) & ~opens & ~closes & (depth_before == 0)
+    # For each token, whether the next marker at or after it opens an empty block.
+    markers = np.flatnonzero(opens | closes)
+    empty_open = opens[markers] & np.append(closes[markers[1:]] & (np.diff(markers) == 1), False)
+    following = np.searchsorted(markers, np.arange(ids.shape[0]))  # index into markers
+    before_empty = np.append(empty_open, False)[following]
+    return mask & (types == 0) & ~opens & ~closes & (depth_before == 0) & ~before_empty
 
 
 def _videos_per_row(types, mask) -> list[int]:
