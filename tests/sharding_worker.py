@@ -25,10 +25,9 @@ import numpy as np
 CASES = [
     ("data=8", "data=8", {}, False),
     ("fsdp=8", "fsdp=8", {}, False),
-    ("data=2,tensor=4", "data=2,tensor=4", {}, False),
-    ("fsdp=2,tensor=4", "fsdp=2,tensor=4", {}, False),
-    # the same mesh through the other layouts and paths: scanned stacks + Orbax, the vision tower
-    # tensor-parallel + the Pallas kernels (interpreted) under shard_map
+    # tensor parallelism through the other layouts and paths: scanned stacks + Orbax, the vision
+    # tower tensor-parallel + the Pallas kernels (interpreted) under shard_map (the unrolled stack on
+    # fsdp=2,tensor=4 is the two-process run's)
     ("fsdp=2,tensor=4 scan orbax", "fsdp=2,tensor=4", {"scan_layers": True}, True),
     ("data=2,tensor=4 vision=tensor pallas", "data=2,tensor=4",
      {"vision": "tensor", "attention_implementation": "pallas"}, False),

@@ -28,7 +28,7 @@ SHARDABLE = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16, mrop
 # the mesh of the two-process test below, and tensor parallelism of the unrolled language model is
 # checked there too, so the single-process cases are these four.
 MESH_CASES = ["data=8", "fsdp=8", "fsdp=2,tensor=4 scan orbax", "data=2,tensor=4 vision=tensor pallas"]
-if TORCH_FREE_LANE:  # the newest-JAX lane checks a subset (each case compiles the model ~4 times)
+if TORCH_FREE_LANE:  # the newest-JAX lane checks a subset
     MESH_CASES = ["fsdp=2,tensor=4 scan orbax", "data=2,tensor=4 vision=tensor pallas"]  # every axis
 
 

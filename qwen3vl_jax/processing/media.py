@@ -16,6 +16,11 @@ import numpy as np
 from PIL import Image, ImageOps
 
 
+def is_positive_int(value) -> bool:
+    """A count given by the caller: an int or numpy integer >= 1 (a bool is not a count)."""
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and bool(value >= 1)
+
+
 @dataclass
 class VideoMetadata:
     """What HF's `VideoMetadata` carries: source frame count and fps, and the sampled frame indices."""
@@ -54,7 +59,7 @@ class VideoMetadata:
                                 or not math.isfinite(fps) or fps <= 0):
             raise ValueError(f"fps must be a positive finite number of source frames per second, got {fps!r}")
         n = self.total_num_frames
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        if not is_positive_int(n):
             raise ValueError(f"total_num_frames must be a positive integer, got {n!r}")
         return self
 

@@ -18,7 +18,8 @@ import numpy as np
 
 from .image import (_check_aspect_ratio, _default_threads, _map, _patchify, _PixelConfig, _pixel_config_from_dict,
                     _resize, _size_overrides)
-from .media import VideoMetadata, _array_to_rgb, _batch_videos, _is_video, load_image, load_video
+from .media import (VideoMetadata, _array_to_rgb, _batch_videos, _is_video, is_positive_int, load_image,
+                    load_video)
 
 def smart_resize_video(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
                        min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -263,8 +264,7 @@ class VideoProcessor:
         vc = replace(self.video, **{k: kwargs[k] for k in ("do_sample_frames", "cap_pixels_per_frame",
                                                            "max_video_tokens")
                                     if kwargs.get(k) is not None})
-        if isinstance(vc.max_video_tokens, bool) or not isinstance(vc.max_video_tokens, (int, np.integer)) \
-                or vc.max_video_tokens < 1:
+        if not is_positive_int(vc.max_video_tokens):
             raise ValueError(f"max_video_tokens must be a positive int, got {vc.max_video_tokens!r}")
         if isinstance(videos, (list, tuple)) and videos and not _is_video(videos) and all(
                 isinstance(v, (str, os.PathLike, list, tuple)) or _is_video(v) for v in videos):
