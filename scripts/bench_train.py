@@ -1,17 +1,22 @@
 """Train-step benchmark: our jitted `Trainer.step` against HF torch (loss, backward, AdamW), same
 config, batch and weights, float32, in one run.
 
-    .venv/bin/python scripts/bench_train.py [--repeats 5] [--layers 4] [--hidden 256] [--batch 2]
+    .venv/bin/python scripts/bench_train.py [--repeats 7] [--layers 4] [--hidden 64 256 512] [--batch 2]
         [--also-python .venv312/bin/python]
 
-The model is the tiny architecture (`qwen3vl_jax.testing.make_tiny_checkpoint`) widened to `--hidden`
-with `--layers` decoder layers; the batch is `--batch` image conversations (the processor's output,
-assistant-only labels). Both sides do full fine-tuning with AdamW and global-norm clipping at 1.0.
-Prints the median step time of each side, the ratio HF / ours (above 1 means we are faster), tokens/s,
-and each side's peak host memory (`ru_maxrss`), ours with and without `remat`; every measurement of
-memory runs in its own subprocess, since the peak only grows. `--also-python` runs our side once more
-under another interpreter (e.g. the Python 3.12 environment with the newest jax, which has no torch),
-on the same checkpoint and batch. Writes nothing outside a temporary directory.
+Each `--hidden` width is one model: the tiny architecture (`qwen3vl_jax.testing.make_tiny_checkpoint`)
+widened to that hidden size (vision tower at half of it, head dim 64) with `--layers` decoder
+layers; the batch is `--batch` image conversations (the processor's output, assistant-only labels).
+Both sides do full fine-tuning with AdamW and global-norm clipping at 1.0. Per width it prints the
+median step time of each side, the ratio HF / ours (above 1 means we are faster), tokens/s, the
+step's model FLOP rate as a fraction of the machine's f32 matmul rate measured at the start of the
+same run (`bench_cpu.machine_limits`), what 1.5x HF's speed would ask of that rate, and each side's
+peak host memory (`ru_maxrss`), ours with and without `remat`; every measurement runs in its own
+subprocess, since the peak only grows. Model FLOPs are 3x the forward's matmul FLOPs (the backward
+does two matmuls per forward one): the linear layers, attention over each frame and over the causal
+half of each row, the LM head (`step_flops`). `--also-python` runs our side once more under another
+interpreter (e.g. the Python 3.12 environment with the newest jax, which has no torch), on the same
+checkpoint and batch. Writes nothing outside a temporary directory.
 """
 
 from __future__ import annotations
@@ -62,6 +67,25 @@ def _batch(path: str, size: int) -> dict:
     return dict(out)
 
 
+def step_flops(path: str, batch: dict) -> float:
+    """Model FLOPs of one train step on `batch`: 3x the forward's matmul FLOPs (vision tower,
+    decoder layers with attention over the causal half of each row, LM head)."""
+    from bench_cpu import vision_flops
+
+    from qwen3vl_jax.config import Qwen3VLConfig
+
+    config = Qwen3VLConfig.from_hf_config(path)
+    t = config.text
+    rows, length = batch["input_ids"].shape
+    tokens = rows * length
+    projections = t.hidden_size * (t.num_attention_heads + 2 * t.num_key_value_heads) * t.head_dim \
+        + t.num_attention_heads * t.head_dim * t.hidden_size + 3 * t.hidden_size * t.intermediate_size
+    attention = 2 * 2 * rows * (length * (length + 1) // 2) * t.num_attention_heads * t.head_dim
+    text = t.num_hidden_layers * (2 * tokens * projections + attention) + 2 * tokens * t.hidden_size * t.vocab_size
+    vision = vision_flops(config, np.asarray(batch["image_grid_thw"])) if "image_grid_thw" in batch else 0.0
+    return 3.0 * (text + vision)
+
+
 def _median(fn, repeats: int) -> float:
     fn()  # warm-up: compile (ours), allocator (torch)
     times = []
@@ -105,14 +129,15 @@ def run_side(side: str, path: str, batch_size: int, repeats: int) -> dict:
     import jax
 
     return {"side": side, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds,
-            "peak_gib": _peak_gib(), "jax": jax.__version__}
+            "flops": step_flops(path, batch), "peak_gib": _peak_gib(), "jax": jax.__version__}
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--hidden", type=int, nargs="+", default=[64, 256, 512],
+                        help="decoder widths, one model each")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--also-python", help="run our side also under this interpreter")
     parser.add_argument("--side", choices=("hf", "ours", "ours_remat"), help=argparse.SUPPRESS)
@@ -121,24 +146,33 @@ def main(argv=None) -> None:
     if args.side:  # a child process: one side, one JSON line
         print(json.dumps(run_side(args.side, args.path, args.batch, args.repeats)))
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        path = _checkpoint(f"{tmp}/ckpt", args.hidden, args.layers)
-        results, runs = {}, [("hf", sys.executable), ("ours", sys.executable), ("ours_remat", sys.executable)]
-        if args.also_python:
-            runs.append(("ours", args.also_python))
-        for side, python in runs:
-            out = subprocess.run([python, __file__, "--side", side, "--path", path, "--batch",
-                                  str(args.batch), "--repeats", str(args.repeats)],
-                                 capture_output=True, text=True, check=True)
-            result = json.loads(out.stdout.strip().splitlines()[-1])
-            label = side if python == sys.executable else f"ours (jax {result['jax']})"
-            results[label] = result
-    print(f"config: hidden {args.hidden}, {args.layers} decoder layers, batch {args.batch} image conversations, "
-          f"{results['hf']['tokens']} tokens; f32, AdamW + clipping; median of {args.repeats}")
-    print(f"ours: jax {results['ours']['jax']}")
-    for side, r in results.items():
-        print(f"{side:>20}: {r['seconds'] * 1e3:8.1f} ms/step  {r['tokens_per_second']:8.0f} tokens/s  "
-              f"peak host memory {r['peak_gib']:.2f} GiB  HF / this {results['hf']['seconds'] / r['seconds']:.2f}x")
+    from bench_cpu import machine_limits
+
+    limits = machine_limits(args.repeats)
+    print(f"{args.layers} decoder layers, batch {args.batch} image conversations; f32, AdamW + clipping; "
+          f"median of {args.repeats} steps; each side in its own process")
+    for hidden in args.hidden:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = _checkpoint(f"{tmp}/ckpt", hidden, args.layers)
+            results, runs = {}, [("hf", sys.executable), ("ours", sys.executable), ("ours_remat", sys.executable)]
+            if args.also_python:
+                runs.append(("ours", args.also_python))
+            for side, python in runs:
+                out = subprocess.run([python, __file__, "--side", side, "--path", path, "--batch",
+                                      str(args.batch), "--repeats", str(args.repeats)],
+                                     capture_output=True, text=True, check=True)
+                result = json.loads(out.stdout.strip().splitlines()[-1])
+                label = f"{side} (jax {result['jax']})" if side != "hf" else "hf"
+                results[label] = result
+        hf = results["hf"]
+        needed = 1.5 * hf["flops"] / hf["seconds"] / limits["flops"]
+        print(f"\nhidden {hidden}: {hf['tokens']} tokens, {hf['flops'] / 1e9:.2f} GFLOP per step; "
+              f"1.5x HF's speed = {hf['seconds'] / 1.5 * 1e3:.1f} ms/step = {needed:.0%} of the matmul rate")
+        for side, r in results.items():
+            rate = r["flops"] / r["seconds"]
+            print(f"{side:>24}: {r['seconds'] * 1e3:8.1f} ms/step  HF / this {hf['seconds'] / r['seconds']:.2f}x  "
+                  f"{r['tokens_per_second']:7.0f} tokens/s  {rate / 1e9:5.1f} GFLOP/s = "
+                  f"{rate / limits['flops']:4.0%} of matmul  peak host memory {r['peak_gib']:.2f} GiB")
 
 
 if __name__ == "__main__":
