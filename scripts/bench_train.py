@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
+from bench_cpu import _median_seconds, machine_limits, vision_flops  # this script's directory
 
 
 def _peak_gib() -> float:
@@ -70,8 +69,6 @@ def _batch(path: str, size: int) -> dict:
 def step_flops(path: str, batch: dict) -> float:
     """Model FLOPs of one train step on `batch`: 3x the forward's matmul FLOPs (vision tower,
     decoder layers with attention over the causal half of each row, LM head)."""
-    from bench_cpu import vision_flops
-
     from qwen3vl_jax.config import Qwen3VLConfig
 
     config = Qwen3VLConfig.from_hf_config(path)
@@ -84,16 +81,6 @@ def step_flops(path: str, batch: dict) -> float:
     text = t.num_hidden_layers * (2 * tokens * projections + attention) + 2 * tokens * t.hidden_size * t.vocab_size
     vision = vision_flops(config, np.asarray(batch["image_grid_thw"])) if "image_grid_thw" in batch else 0.0
     return 3.0 * (text + vision)
-
-
-def _median(fn, repeats: int) -> float:
-    fn()  # warm-up: compile (ours), allocator (torch)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def run_side(side: str, path: str, batch_size: int, repeats: int) -> dict:
@@ -125,7 +112,7 @@ def run_side(side: str, path: str, batch_size: int, repeats: int) -> dict:
 
         def step():
             trainer.step([batch])  # returns floats: the step has finished
-    seconds = _median(step, repeats)
+    seconds = _median_seconds(step, repeats)
     import jax
 
     return {"side": side, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds,
@@ -146,8 +133,6 @@ def main(argv=None) -> None:
     if args.side:  # a child process: one side, one JSON line
         print(json.dumps(run_side(args.side, args.path, args.batch, args.repeats)))
         return
-    from bench_cpu import machine_limits
-
     limits = machine_limits(args.repeats)
     print(f"{args.layers} decoder layers, batch {args.batch} image conversations; f32, AdamW + clipping; "
           f"median of {args.repeats} steps; each side in its own process")
