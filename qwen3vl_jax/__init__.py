@@ -10,6 +10,7 @@ from .config import PRESETS, Qwen3VLConfig, TextConfig, VisionConfig, preset
 from .model import Qwen3VL, count_params
 from .processing import Qwen3VLProcessor
 from .testing import make_tiny_checkpoint
+from .training import lora as _peft_adapters  # noqa: F401  registers `from_pretrained(adapter=...)`
 
 __all__ = [
     # the model and its inputs

@@ -1,6 +1,7 @@
-"""Hugging Face safetensors <-> our parameter tree, by one declarative table of name rules.
+"""Checkpoint files: Hugging Face safetensors and Orbax <-> our parameter tree (read, written, streamed).
 
-Every HF tensor name is matched by the first rule whose pattern fits; the rule names our
+The names, transforms and layouts come from the parameter tree's rule table (`params.RULES`):
+every HF tensor name is matched by the first rule whose pattern fits; the rule names our
 parameter path and a named transform (linear transpose, Conv3d-as-linear). Loading is strict:
 every HF tensor is used exactly once (or listed as ignored with a reason), every parameter is
 filled exactly once, every shape is checked, and all problems are reported together in one
@@ -16,25 +17,19 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import struct
 from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
 from .config import Qwen3VLConfig
+from .params import (CheckpointError, LazyTensor, Transform, as_lazy, flatten_paths, hf_to_ours_name, nest_paths,
+                     ours_to_hf_name)
 
 __all__ = [
-    "CheckpointError",
-    "RULES",
-    "hf_to_ours_name",
-    "ours_to_hf_name",
-    "partition_spec",
     "safetensors_files",
     "iter_hf_tensors",
     "iter_hf_headers",
-    "LazyTensor",
-    "plan_hf_params",
     "load_hf_params",
     "plan_hf_params",
     "export_hf_tensors",
@@ -48,136 +43,6 @@ __all__ = [
     "convert_checkpoint",
     "DEFAULT_MAX_SHARD_BYTES",
 ]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model; the message lists every problem found."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Transform:
-    """A named, invertible map between an HF tensor and our parameter.
-
-    `read(get, index)` builds the block `index` (a tuple of slices) of our parameter from a reader
-    of HF blocks (`get(hf_index) -> ndarray`), so a device reads only the slice it holds.
-    """
-
-    name: str
-    to_ours: Callable[[np.ndarray], np.ndarray]
-    to_hf: Callable[[np.ndarray, Qwen3VLConfig], np.ndarray]
-    read: Callable[[Callable[[tuple], np.ndarray], tuple], np.ndarray]
-
-
-IDENTITY = Transform("identity", lambda a: a, lambda a, c: a, lambda get, index: get(index))
-# torch Linear stores [out, in]; nnx.Linear's kernel is [in, out].
-LINEAR = Transform("linear_transpose", lambda a: a.T, lambda a, c: a.T, lambda get, index: get(tuple(index)[::-1]).T)
-# A Conv3d with kernel == stride over a [C, T, p, p] patch is a linear map of the flattened patch:
-# weight [E, C, T, p, p] -> kernel [C*T*p*p, E] (the flattening order of `pixel_values` rows).
-def _conv3d_to_ours(a: np.ndarray) -> np.ndarray:
-    return a.reshape(a.shape[0], -1).T
-
-
-CONV3D_AS_LINEAR = Transform(
-    "conv3d_as_linear",
-    _conv3d_to_ours,
-    lambda a, c: a.T.reshape(
-        c.vision.hidden_size, c.vision.in_channels, c.vision.temporal_patch_size, c.vision.patch_size,
-        c.vision.patch_size,
-    ),
-    lambda get, index: _conv3d_to_ours(get(tuple(index[1:2])))[index[0]],
-)
-
-# Mesh axis names (`sharding.py` builds the mesh). A rule's `spec` names the axis each dimension of
-# our parameter is split over (None: not split): attention heads and MLP columns over `tensor`, the
-# other weight dimension over `fsdp`.
-FSDP, TENSOR = "fsdp", "tensor"
-COLUMNS = (FSDP, TENSOR)  # [in, out] kernels whose outputs are heads / MLP columns
-ROWS = (TENSOR, FSDP)  # [in, out] kernels whose inputs are heads / MLP columns
-REPLICATED = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """`hf` and `ours` are name templates; `{x}` stands for the same text (matching `x`) in both.
-
-    `spec`: the parameter's partitioning over the mesh (see above). The vision tower's rules give
-    its tensor-parallel layout; by default the tower is replicated (`sharding.py`).
-    """
-
-    hf: str
-    ours: str
-    transform: Transform
-    x: str = r".+"
-    spec: tuple[str | None, ...] = REPLICATED
-
-    def _regex(self, template: str) -> re.Pattern:
-        return re.compile(re.escape(template).replace(r"\{x\}", f"({self.x})"))
-
-    def match_hf(self, name: str) -> str | None:
-        m = self._regex(self.hf).fullmatch(name)
-        return None if m is None else self.ours.replace("{x}", m.group(1) if m.groups() else "")
-
-    def match_ours(self, path: str) -> str | None:
-        m = self._regex(self.ours).fullmatch(path)
-        return None if m is None else self.hf.replace("{x}", m.group(1) if m.groups() else "")
-
-
-_VIT = r"blocks\.\d+\."
-_LAYER = r"layers\.\d+\."
-# Order matters: the first matching rule wins.
-RULES: tuple[Rule, ...] = (
-    Rule("model.visual.patch_embed.proj.weight", "visual.patch_embed.proj.kernel", CONV3D_AS_LINEAR),
-    Rule("model.visual.pos_embed.weight", "visual.pos_embed.embedding", IDENTITY),
-    Rule("model.visual.{x}.weight", "visual.{x}.scale", IDENTITY, x=r"(?:.*\.)?norm\d?"),  # LayerNorm
-    Rule("model.visual.{x}.weight", "visual.{x}.kernel", LINEAR, x=_VIT + r"(?:attn\.qkv|mlp\.linear_fc1)",
-         spec=(None, TENSOR)),
-    Rule("model.visual.{x}.bias", "visual.{x}.bias", IDENTITY, x=_VIT + r"(?:attn\.qkv|mlp\.linear_fc1)",
-         spec=(TENSOR,)),
-    Rule("model.visual.{x}.weight", "visual.{x}.kernel", LINEAR, x=_VIT + r"(?:attn\.proj|mlp\.linear_fc2)",
-         spec=(TENSOR, None)),
-    Rule("model.visual.{x}.weight", "visual.{x}.kernel", LINEAR),  # the mergers
-    Rule("model.visual.{x}.bias", "visual.{x}.bias", IDENTITY),
-    Rule("model.language_model.embed_tokens.weight", "language_model.embed_tokens.embedding", IDENTITY,
-         spec=(TENSOR, FSDP)),
-    Rule("model.language_model.{x}.weight", "language_model.{x}.weight", IDENTITY, x=r".*norm"),  # RMSNorm
-    Rule("model.language_model.{x}.weight", "language_model.{x}.kernel", LINEAR,
-         x=_LAYER + r"(?:self_attn\.[qkv]_proj|mlp\.gate_proj|mlp\.up_proj)", spec=COLUMNS),
-    Rule("model.language_model.{x}.weight", "language_model.{x}.kernel", LINEAR,
-         x=_LAYER + r"(?:self_attn\.o_proj|mlp\.down_proj)", spec=ROWS),
-    Rule("model.language_model.{x}.bias", "language_model.{x}.bias", IDENTITY, x=_LAYER + r"self_attn\.[qkv]_proj",
-         spec=(TENSOR,)),
-    Rule("model.language_model.{x}.bias", "language_model.{x}.bias", IDENTITY, x=_LAYER + r"self_attn\.o_proj"),
-    Rule("lm_head.weight", "lm_head.kernel", LINEAR, spec=COLUMNS),
-)
-
-
-def hf_to_ours_name(name: str) -> tuple[str, Transform] | None:
-    """Our path and transform for an HF tensor name, or None if no rule matches."""
-    for rule in RULES:
-        path = rule.match_hf(name)
-        if path is not None:
-            return path, rule.transform
-    return None
-
-
-def _rule_for(path: str) -> tuple[str, Rule]:
-    for rule in RULES:
-        name = rule.match_ours(path)
-        # Only a name that converts forward to the same path is a true inverse (first match wins).
-        if name is not None and hf_to_ours_name(name) == (path, rule.transform):
-            return name, rule
-    raise KeyError(f"no conversion rule produces the parameter {path!r}")
-
-
-def ours_to_hf_name(path: str) -> tuple[str, Transform]:
-    """The HF name and transform for one of our parameter paths (the inverse of the table)."""
-    name, rule = _rule_for(path)
-    return name, rule.transform
-
-
-def partition_spec(path: str) -> tuple[str | None, ...]:
-    """The mesh axis of each dimension of one of our (canonical, per-block) parameters: its rule's `spec`."""
-    return _rule_for(path)[1].spec
 
 
 # ---------------------------------------------------------------------- reading safetensors
@@ -293,61 +158,6 @@ def _release_freed_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
-
-
-# ---------------------------------------------------------------------- lazy tensors
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class LazyTensor:
-    """A tensor known by its shape and dtype, read only when `load()` is called.
-
-    The streaming writers take these and load each one just before writing it, so a conversion
-    holds one tensor (plus its source copy) on the host at a time. `source` names it in messages
-    (the HF name or our path).
-    """
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    load: Callable[[], np.ndarray]
-    source: str = ""
-    read_block: Callable[[tuple], np.ndarray] | None = None
-
-    def block(self, index: tuple) -> np.ndarray:
-        """`tensor[index]` (a tuple of slices, as `jax.make_array_from_callback` asks for a device's
-        shard), reading only that block's bytes where the source allows (`read_block`)."""
-        if self.read_block is None:
-            return self.checked(self.load())[tuple(index)]
-        return np.asarray(self.read_block(tuple(index)), dtype=self.dtype, order="C")
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * np.dtype(self.dtype).itemsize
-
-    def checked(self, array) -> np.ndarray:
-        """`array` as C-contiguous numpy of exactly this shape and dtype (or an error naming it)."""
-        array = np.asarray(array, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
-        if tuple(array.shape) != tuple(self.shape) or array.dtype != np.dtype(self.dtype):
-            raise CheckpointError(f"{self.source or 'a tensor'} loaded as {array.dtype}{list(array.shape)}, "
-                                  f"expected {np.dtype(self.dtype)}{list(self.shape)}")
-        return array
-
-
-def as_lazy(value, source: str = "") -> LazyTensor:
-    """`value` (a numpy or jax array, or a `LazyTensor`) as a `LazyTensor`; an array is copied to the
-    host (`np.asarray`) only when loaded."""
-    if isinstance(value, LazyTensor):
-        return value
-    shape = tuple(int(d) for d in value.shape)
-    return LazyTensor(shape, np.dtype(value.dtype), lambda: np.asarray(value), source)
 
 
 def _transformed_shape(fn: Callable, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -586,29 +396,6 @@ def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike, skip: tuple[
 ORBAX_CHUNK_BYTES = 64 * 2**20
 
 
-def _nest_paths(flat: Mapping[str, object]) -> dict:
-    """`{dotted path: leaf}` -> the nested dict Orbax stores (integer keys for block indices)."""
-    tree: dict = {}
-    for path, leaf in flat.items():
-        node = tree
-        keys = [int(k) if k.isdigit() else k for k in path.split(".")]
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = leaf
-    return tree
-
-
-def _flatten_paths(tree, is_leaf=None) -> dict[str, object]:
-    import jax
-
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
-
-    def dotted(path) -> str:
-        return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-    return {dotted(path): leaf for path, leaf in leaves}
-
-
 @functools.cache
 def _orbax_lazy_registry():
     """An Orbax type-handler registry that writes `LazyTensor` leaves one at a time.
@@ -662,7 +449,7 @@ def write_orbax(params, config: Qwen3VLConfig, directory: str | os.PathLike) -> 
             return value
         return as_lazy(value, path)
 
-    tree = _nest_paths({path: leaf(path, value) for path, value in _flatten_paths(params, is_leaf).items()})
+    tree = nest_paths({path: leaf(path, value) for path, value in flatten_paths(params, is_leaf).items()})
     save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=ORBAX_CHUNK_BYTES), tree, is_leaf=is_leaf)
     root = os.path.join(os.fspath(directory), ORBAX_SUBDIR)
     handlers = {"params": ocp.PyTreeCheckpointHandler(type_handler_registry=_orbax_lazy_registry()),
@@ -698,7 +485,7 @@ def _check_orbax_params(manager, step: int, root: str, expected: Mapping[str, tu
     """Compare the stored tree (Orbax's metadata: names and shapes, no data) with `{our path: shape}`;
     every missing, unexpected or mis-shaped parameter is reported in one `CheckpointError`."""
     stored = {path: tuple(int(d) for d in m.shape)
-              for path, m in _flatten_paths(manager.item_metadata(step)["params"].tree).items()}
+              for path, m in flatten_paths(manager.item_metadata(step)["params"].tree).items()}
     expected = {path: tuple(int(d) for d in shape) for path, shape in expected.items()}
     problems = [f"missing parameter {p} {list(expected[p])}" for p in sorted(set(expected) - set(stored))]
     problems += [f"unexpected parameter {p} {list(stored[p])} (the model has no {p})"
@@ -739,7 +526,7 @@ def restore_orbax(directory: str | os.PathLike, abstract_tree_for):
     manager, step, config = _open_orbax(root, "standard")
     with manager:
         target = abstract_tree_for(config)
-        shapes = {path: leaf.shape for path, leaf in _flatten_paths(target).items()}
+        shapes = {path: leaf.shape for path, leaf in flatten_paths(target).items()}
         _check_orbax_params(manager, step, root, shapes)
         try:
             restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
@@ -768,11 +555,11 @@ def open_orbax_params(directory: str | os.PathLike, expected_for, *, dtype=None
         _check_orbax_params(manager, step, root, {p: shape for p, (shape, _) in expected.items()})
 
         def read(path: str, shape: tuple[int, ...], want: np.dtype) -> np.ndarray:
-            item = _nest_paths({path: jax.ShapeDtypeStruct(shape, want)})
-            restore_args = _nest_paths({path: ocp.RestoreArgs(restore_type=np.ndarray, dtype=want)})
+            item = nest_paths({path: jax.ShapeDtypeStruct(shape, want)})
+            restore_args = nest_paths({path: ocp.RestoreArgs(restore_type=np.ndarray, dtype=want)})
             out = manager.restore(step, args=ocp.args.Composite(params=ocp.args.PyTreeRestore(
                 item=item, restore_args=restore_args, partial_restore=True))).params
-            (value,) = _flatten_paths(out).values()
+            (value,) = flatten_paths(out).values()
             return np.asarray(value, dtype=want, order="C")
 
         tensors = {}
@@ -911,7 +698,7 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, expect
             params = plan_hf_params(source, expected_for(config), config, dtype=np_dtype)
         params = _with_callback(params, on_tensor)
         if to == "orbax":
-            write_orbax(_nest_paths(params), config, tmp)
+            write_orbax(nest_paths(params), config, tmp)
         else:
             write_hf(params, config, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes)
         # An HF export writes its own config.json; an Orbax directory keeps the source's beside the

@@ -7,7 +7,7 @@ Qwen3VL.prepare_inputs (host + vision jit)  -> MultimodalInputs, length L
   -> host: left-pad to a length bucket P (`prompt_buckets`: 32, 64, ... up to the context length),
      positions of the padding = 0
   -> jit _embed: token embeddings with visual features spliced in, deepstack additions
-  -> jit _prefill(P): the decoder (`TextModel`, the model's one forward) over P tokens, writing a
+  -> jit prefill(P): the decoder (`TextModel`, the model's one forward) over P tokens, writing a
      fresh cache [layers, B, S, G, D] from slot 0; first token selected
   -> jit _decode_chunk (cache donated): a `lax.while_loop` of up to `decode_chunk` steps on the
      device, each one token per row at cache slot P + t through the same `TextModel` forward, mRoPE
@@ -183,7 +183,7 @@ def _embed(graphdef, state, inputs):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "slots", "do_sample"))
-def _prefill(graphdef, state, embeds, deepstack, positions, attention_mask, key, temperature, top_k, top_p, *,
+def prefill(graphdef, state, embeds, deepstack, positions, attention_mask, key, temperature, top_k, top_p, *,
              slots, do_sample):
     """Prompt pass over the (left-padded) bucket: (first tokens [B], logits [B, V], a fresh KVCache)."""
     COMPILE_COUNTS["prefill"] += 1
@@ -403,7 +403,7 @@ def generate(
     graphdef, state = nnx.split(model)
 
     embeds, deepstack = _embed(graphdef, state, inputs)
-    tokens, _, cache = _prefill(graphdef, state, embeds, deepstack, inputs.positions, inputs.attention_mask,
+    tokens, _, cache = prefill(graphdef, state, embeds, deepstack, inputs.positions, inputs.attention_mask,
                                 rng, *sampling, slots=slots, do_sample=do_sample)
     prompt_starts = jnp.asarray(bucket - mask.sum(axis=1), jnp.int32)
     clock.lap("prefill", tokens)
@@ -465,7 +465,7 @@ def warmup(model, *, batch_size: int = 1, buckets: Sequence[int] = (32, 64, 128,
         deepstack = jnp.zeros((levels, batch_size, bucket, cfg.hidden_size), dtype) if visual else None
         positions = jnp.zeros((3, batch_size, bucket), jnp.int32)
         mask = jnp.ones((batch_size, bucket), bool)
-        tokens, _, cache = _prefill(graphdef, state, embeds, deepstack, positions, mask, key, *sampling,
+        tokens, _, cache = prefill(graphdef, state, embeds, deepstack, positions, mask, key, *sampling,
                                     slots=slots, do_sample=do_sample)
         decode = _DecodeState(cache, tokens, jnp.int32(1), jnp.ones((batch_size,), bool))
         _decode_chunk(graphdef, state, decode, jnp.zeros((batch_size,), jnp.int32), jnp.int32(bucket),

@@ -32,22 +32,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from pallas_kernels.attention.mask import AttentionMask
 
 from . import pruning as pruning_lib
 from .config import Qwen3VLConfig
-from .convert import LazyTensor, _nest_paths as _nest, is_orbax_dir, plan_hf_params, restore_orbax, save_hf, save_orbax
+from .convert import is_orbax_dir, plan_hf_params, restore_orbax, save_hf, save_orbax
 from .generate import GenerationConfig
 from .generate import generate as generate_tokens
 from .layers import Linear, use_scan
 from .mrope import get_rope_index
-from .sharding import constrain, use_mesh
+from .params import canonical_params, count_params, fill_state, flat_paths, nest_paths, param_shapes
+from .sharding import check_mesh, constrain, make_mesh, param_shardings, shard, use_mesh
 from .text import TextModel
 from .vision import VisionMetadata, VisionModel, VisionOutput, validate_vision_inputs, vision_metadata
 
 __all__ = ["Qwen3VL", "MultimodalInputs", "MODEL_INPUTS", "PROCESSOR_EXTRAS", "param_shapes", "count_params",
-           "canonical_params", "expected_params", "causal_padding_mask"]
+           "canonical_params", "expected_params", "causal_padding_mask", "register_adapter_loader"]
+
+# How `Qwen3VL.from_pretrained(..., adapter=DIR)` attaches an adapter: a loader `(model, directory)`
+# registered by the side that defines adapters (`training.lora` registers PEFT's LoRA format when
+# it is imported, and the package imports it), so this module never imports the training side.
+_ADAPTER_LOADERS: dict[str, object] = {}
+
+
+def register_adapter_loader(name: str, loader) -> None:
+    """Make `loader(model, directory)` the way `from_pretrained(adapter=...)` attaches adapters."""
+    _ADAPTER_LOADERS[name] = loader
 
 # The processor outputs the model reads (`__call__`, `prepare_inputs`, `generate`), in their order.
 MODEL_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw",
@@ -160,63 +172,63 @@ class Qwen3VL(nnx.Module):
         """
         kwargs = dict(dtype=dtype, param_dtype=param_dtype, attention_implementation=attention_implementation,
                       scan_layers=scan_layers, remat=remat)
-        shardings = None
-        if is_orbax_dir(path):
-            def target(config):  # Orbax holds the canonical per-block layout
-                abstract = cls.abstract(config, **{**kwargs, "scan_layers": False})
-                pure = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
-                if mesh is None:
-                    return pure
-                from .sharding import check_mesh, param_shardings
-
-                check_mesh(config, mesh, vision=vision)
-                return jax.tree.map(lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s),
-                                    pure, param_shardings(nnx.State(pure), mesh, vision=vision))
-
-            config, pure = restore_orbax(path, target)
-            params = {name: leaf for name, leaf in _flat_paths(pure)}
-        else:
-            config = Qwen3VLConfig.from_hf_config(path)
-            if mesh is not None:
-                from .sharding import check_mesh
-
-                check_mesh(config, mesh, vision=vision)
-            expected = expected_params(config, **kwargs)
-            # Checked from the headers first; then each array is read as it is placed (one tensor,
-            # or one device's block of it, on the host at a time).
-            params = plan_hf_params(path, expected, config)  # {path: LazyTensor}
-        graphdef, state = nnx.split(cls.abstract(config, **kwargs))
+        if isinstance(mesh, (str, dict)):  # "data=4,tensor=2" or {"data": 4, "tensor": 2}
+            mesh = make_mesh(mesh)
+        # 1. resolve: the config, and each parameter's source (in its file until placed)
+        config, params = cls._resolve(path, kwargs, mesh, vision)
+        # 2. check: the mesh can split every parameter (the sources were checked in `_resolve`)
         if mesh is not None:
-            from .sharding import param_shardings
-
-            shardings = param_shardings(state, mesh, vision=vision)
+            check_mesh(config, mesh, vision=vision)
+        # 3. plan: the abstract model, and each leaf's sharding
+        graphdef, state = nnx.split(cls.abstract(config, **kwargs))
+        shardings = None if mesh is None else param_shardings(state, mesh, vision=vision)
+        # 4. place: read each parameter into its (sharded) leaf, one at a time
         bar = None
         if progress:
-            from tqdm.auto import tqdm
-
             bar = tqdm(desc=f"reading {os.path.basename(os.path.abspath(path))}", unit=" arrays",
                        total=len(jax.tree.leaves(state)))
         try:
-            model = nnx.merge(graphdef, _fill_state(state, params, shardings,
-                                                    on_leaf=None if bar is None else bar.update))
+            model = nnx.merge(graphdef, fill_state(state, params, shardings,
+                                                   on_leaf=None if bar is None else bar.update))
         finally:
             if bar is not None:
                 bar.close()
         model.generation_config = GenerationConfig.from_pretrained(path)
+        # 5. attach: an adapter on top
         if adapter is not None:
-            from .training.lora import load_adapter
-
-            load_adapter(model, adapter)
+            if "peft" not in _ADAPTER_LOADERS:
+                raise RuntimeError("no adapter loader is registered: import qwen3vl_jax.training.lora")
+            _ADAPTER_LOADERS["peft"](model, adapter)
             if mesh is not None:
-                from .sharding import shard
-
                 shard(model, mesh, vision=vision)
         return model
+
+    @classmethod
+    def _resolve(cls, path, kwargs: dict, mesh, vision: str) -> tuple[Qwen3VLConfig, dict[str, object]]:
+        """The checkpoint's config and `{canonical path: value}`: `LazyTensor`s checked from the
+        safetensors headers (every problem at once), or Orbax arrays restored (sharded under `mesh`)."""
+        if not is_orbax_dir(path):
+            config = Qwen3VLConfig.from_hf_config(path)
+            # Checked from the headers first; then each array is read as it is placed (one tensor,
+            # or one device's block of it, on the host at a time).
+            return config, plan_hf_params(path, expected_params(config, **kwargs), config)
+
+        def target(config):  # Orbax holds the canonical per-block layout
+            abstract = cls.abstract(config, **{**kwargs, "scan_layers": False})
+            pure = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+            if mesh is None:
+                return pure
+            check_mesh(config, mesh, vision=vision)
+            return jax.tree.map(lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s),
+                                pure, param_shardings(nnx.State(pure), mesh, vision=vision))
+
+        config, pure = restore_orbax(path, target)
+        return config, dict(flat_paths(pure))
 
     def save_orbax(self, directory: str | os.PathLike) -> str:
         """Write the parameters (canonical per-block layout) and the config as Orbax under `directory/orbax`
         (each parameter is copied to the host as it is written, one at a time)."""
-        return save_orbax(_nest(canonical_params(self)), self.config, directory)
+        return save_orbax(nest_paths(canonical_params(self)), self.config, directory)
 
     def save_hf(self, directory: str | os.PathLike, *, dtype: str | None = None,
                 max_shard_bytes: int | None = None) -> str:
@@ -499,128 +511,7 @@ def _run_forward(graphdef, state, inputs: MultimodalInputs, *, return_hidden_sta
     return nnx.merge(graphdef, state).forward(inputs, return_hidden_states=return_hidden_states)
 
 
-# ---------------------------------------------------------------------- parameters: the canonical layout
-
-# The repeated blocks of each tower: stored per block, or stacked along a leading axis (`scan_layers`).
-STACKS = ("visual.blocks", "language_model.layers")
-
-
-def _dotted(path) -> str:
-    """A pytree key path as our dotted parameter name, e.g. `visual.blocks.3.attn.qkv.kernel`."""
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
-def _flat_paths(tree) -> list[tuple[str, object]]:
-    tree = nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return [(_dotted(path), leaf) for path, leaf in leaves]
-
-
-def _stacked_prefix(path: str, stacked: set[str]) -> str | None:
-    for prefix in stacked:
-        if path.startswith(prefix + "."):
-            return prefix
-    return None
-
-
-def _stacked_stacks(model_or_state) -> set[str]:
-    """Which of `STACKS` hold stacked parameters in this model / state."""
-    if isinstance(model_or_state, nnx.Module):
-        towers = {"visual.blocks": model_or_state.visual, "language_model.layers": model_or_state.language_model}
-        return {name for name, tower in towers.items() if tower.scan_layers}
-    paths = {p for p, _ in _flat_paths(model_or_state)}
-    return {s for s in STACKS if any(p.startswith(s + ".") and not p[len(s) + 1].isdigit() for p in paths)}
-
-
-def canonical_params(model_or_state) -> dict[str, object]:
-    """`{per-block dotted path: array}` whatever the layout: stacked parameters are sliced per block
-    (`language_model.layers.3.self_attn.q_proj.kernel`). The names the converter and Orbax use."""
-    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
-    stacked = _stacked_stacks(model_or_state)
-    out = {}
-    for path, leaf in _flat_paths(state):
-        prefix = _stacked_prefix(path, stacked)
-        if prefix is None:
-            out[path] = leaf
-            continue
-        rest = path[len(prefix) + 1:]
-        for i in range(leaf.shape[0]):
-            out[f"{prefix}.{i}.{rest}"] = leaf[i] if hasattr(leaf, "__getitem__") else leaf
-    return out
-
-
-def param_shapes(model_or_state) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """`{canonical path: (shape, dtype)}` for every parameter (abstract or concrete; either layout)."""
-    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
-    stacked = _stacked_stacks(model_or_state)
-    out = {}
-    for path, leaf in _flat_paths(state):
-        prefix = _stacked_prefix(path, stacked)
-        if prefix is None:
-            out[path] = (tuple(leaf.shape), np.dtype(leaf.dtype))
-            continue
-        rest = path[len(prefix) + 1:]
-        for i in range(leaf.shape[0]):
-            out[f"{prefix}.{i}.{rest}"] = (tuple(leaf.shape[1:]), np.dtype(leaf.dtype))
-    return out
-
-
 def expected_params(config: Qwen3VLConfig, **kwargs) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """`param_shapes` of the model `config` describes (`kwargs`: `Qwen3VL`'s options, e.g. `dtype`),
     built abstractly: no memory is allocated. What a checkpoint must hold."""
     return param_shapes(nnx.state(Qwen3VL.abstract(config, **kwargs), nnx.Param))
-
-
-def count_params(model_or_state) -> int:
-    """Number of parameters (works on abstract models from `Qwen3VL.abstract`)."""
-    return int(sum(int(np.prod(shape)) for shape, _ in param_shapes(model_or_state).values()))
-
-
-def _place(values: list, leaf, sharding, stacked: bool):
-    """One state leaf from its per-block values (one value unless `stacked`), on `sharding` if given.
-
-    A value is an array or a `LazyTensor` (still in its file): read whole without a sharding, else
-    block by block, each device reading only the block it holds."""
-    if sharding is None:
-        arrays = [jnp.asarray(v.load() if isinstance(v, LazyTensor) else v, dtype=leaf.dtype) for v in values]
-        return jnp.stack(arrays) if stacked else arrays[0]
-    if isinstance(values[0], LazyTensor):
-        dtype = np.dtype(leaf.dtype)
-
-        def block(index):
-            if not stacked:
-                return values[0].block(index).astype(dtype, copy=False)
-            picked = values[index[0]] if isinstance(index[0], slice) else [values[index[0]]]
-            return np.stack([v.block(index[1:]).astype(dtype, copy=False) for v in picked])
-
-        return jax.make_array_from_callback(tuple(leaf.shape), sharding, block)
-    if not stacked:
-        return jax.device_put(jnp.asarray(values[0], dtype=leaf.dtype), sharding)
-    return jax.jit(lambda *xs: jnp.stack(xs).astype(leaf.dtype), out_shardings=sharding)(*values)
-
-
-def _fill_state(state, params: dict[str, object], shardings=None, on_leaf=None):
-    """Fill an (abstract) state from `{canonical path: array}`, stacking per-block arrays where the
-    state is stacked. Pops as it goes, so each host copy is freed once its device array exists.
-
-    `shardings` (a pure dict like the state's, of `NamedSharding`): place each leaf on its devices;
-    values may be `LazyTensor`s (read as they are placed; with shardings, block by block)."""
-    pure = nnx.to_pure_dict(state)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(pure)
-    targets = [None] * len(leaves) if shardings is None else jax.tree.leaves(
-        shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-    stacked = _stacked_stacks(state)
-    values = []
-    for (path, leaf), sharding in zip(leaves, targets):
-        name = _dotted(path)
-        prefix = _stacked_prefix(name, stacked)
-        if prefix is None:
-            values.append(_place([params.pop(name)], leaf, sharding, stacked=False))
-        else:
-            rest = name[len(prefix) + 1:]
-            blocks = [params.pop(f"{prefix}.{i}.{rest}") for i in range(leaf.shape[0])]
-            values.append(_place(blocks, leaf, sharding, stacked=True))
-        if on_leaf is not None:
-            on_leaf()
-    nnx.replace_by_pure_dict(state, jax.tree_util.tree_unflatten(treedef, values))
-    return state

@@ -63,14 +63,24 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels.attention.reference import ATTENTION_BLOCK, balanced_block
 
 from .config import Qwen3VLConfig, preset as preset_config
-from .sharding import AXES, ShardingError, check_mesh, param_spec, parse_mesh
+from .generate import prefill
+from .model import MultimodalInputs, Qwen3VL, expected_params
+from .sharding import AXES, BATCH, ShardingError, check_mesh, make_mesh, param_shardings, param_spec, parse_mesh
+from .training.lora import LoRAKey
+from .training.optim import OptimConfig, build_optimizer, param_path
+from .training.trainer import apply_update, micro_step, trainable_filter
 
 __all__ = ["Plan", "plan", "resolve_mesh", "parse_bytes", "smallest_mesh", "check", "check_table",
            "format_bytes", "attention_backward_bytes"]
@@ -128,8 +138,6 @@ def resolve_mesh(spec, devices: int | None = None) -> dict[str, int]:
 
 
 def _abstract_mesh(sizes: Mapping[str, int]):
-    import jax
-
     return jax.sharding.AbstractMesh(tuple(sizes[a] for a in AXES), AXES)
 
 
@@ -148,8 +156,6 @@ def _config(config_or_preset) -> tuple[Qwen3VLConfig, str]:
 @functools.lru_cache(maxsize=16)
 def _param_shapes(config: Qwen3VLConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """Canonical `(path, shape)` of every parameter (abstract; no memory is allocated)."""
-    from .model import expected_params
-
     return tuple((path, shape) for path, (shape, _) in expected_params(config, scan_layers=True).items())
 
 
@@ -414,8 +420,6 @@ def check(p: Plan, *, context: int | None = None, dtype: str | None = None,
     disabled so XLA does not hoist the float32 conversion of the whole stacked weights out of the
     layer loop (a CPU-only artefact: the GPU multiplies bfloat16 directly).
     """
-    import time
-
     asked = (("context", context), ("dtype", dtype))
     changes = {k: v for k, v in asked if v is not None and v != getattr(p, k)}
     if "dtype" in changes and not p.train and p.param_dtype == p.dtype:
@@ -506,14 +510,6 @@ def check_table(result: dict) -> str:
 
 def _compile_steps(request: dict) -> dict:
     """(In the check's subprocess.) Lower and compile the steps; memory per device."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from .model import MultimodalInputs, Qwen3VL
-    from .sharding import BATCH, make_mesh, param_shardings
-
     config = Qwen3VLConfig.from_hf_config(request["config"])
     sizes, b, length = request["mesh"], request["batch"], request["context"]
     mesh = make_mesh(sizes)
@@ -546,12 +542,10 @@ def _compile_steps(request: dict) -> dict:
     steps = {}
     with jax.set_mesh(mesh):
         if not request["train"]:
-            from .generate import _prefill
-
             graphdef, state = nnx.split(model)
             nnx.replace_by_pure_dict(state, placed(state))
             text = config.text
-            fn = jax.jit(_prefill.__wrapped__, static_argnames=("graphdef", "slots", "do_sample"),
+            fn = jax.jit(prefill.__wrapped__, static_argnames=("graphdef", "slots", "do_sample"),
                          keep_unused=True)  # resident parameters count even where the step skips them
             scalars = (sds((), jnp.float32, sharding=replicated), sds((), jnp.int32, sharding=replicated),
                        sds((), jnp.float32, sharding=replicated))
@@ -560,10 +554,6 @@ def _compile_steps(request: dict) -> dict:
                                *scalars, slots=length, do_sample=False)
             steps["prefill"] = memory(lowered.compile())
         else:
-            from .training.lora import LoRAKey
-            from .training.optim import OptimConfig, build_optimizer, param_path
-            from .training.trainer import _micro_step, _update, trainable_filter
-
             graphdef, params, keys, rest = nnx.split(model, trainable_filter(()), LoRAKey, ...)
             params = placed(params)
             inputs = MultimodalInputs(batched((b, length), jnp.int32), batched((b, length), jnp.bool_),
@@ -571,7 +561,7 @@ def _compile_steps(request: dict) -> dict:
                                       batched((b, length), jnp.int32))
             labels = batched((b, length), jnp.int32)
             acc = (params, sds((), jnp.float32, sharding=replicated), sds((), jnp.int32, sharding=replicated))
-            micro = jax.jit(functools.partial(_micro_step, graphdef, LOSS_CHUNK), donate_argnums=(0,),
+            micro = jax.jit(functools.partial(micro_step, graphdef, LOSS_CHUNK), donate_argnums=(0,),
                             keep_unused=True)
             lowered = micro.lower(acc, params, nnx.to_pure_dict(keys), rest, inputs, labels, key)
             steps["micro_step"] = memory(lowered.compile())
@@ -587,7 +577,7 @@ def _compile_steps(request: dict) -> dict:
                 return sds(leaf.shape, leaf.dtype, sharding=replicated)
 
             opt_state = jax.tree_util.tree_map_with_path(moment, jax.eval_shape(tx.init, params))
-            update = jax.jit(functools.partial(_update, tx), donate_argnums=(0, 1))
+            update = jax.jit(functools.partial(apply_update, tx), donate_argnums=(0, 1))
             steps["update"] = memory(update.lower(params, opt_state, params,
                                                   sds((), jnp.int32, sharding=replicated)).compile())
     return steps

@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .config import Qwen3VLConfig
-from .convert import FSDP, TENSOR, partition_spec
+from .params import FSDP, TENSOR, dotted, partition_spec, stacked_prefix, stacked_stacks
 
 __all__ = ["AXES", "BATCH", "ShardingError", "make_mesh", "parse_mesh", "check_mesh", "param_spec",
            "param_shardings", "shard", "model_mesh", "use_mesh", "constrain", "initialize_distributed"]
@@ -160,9 +160,7 @@ def param_spec(path: str, shape: tuple[int, ...], mesh, *, vision: str = "data",
 
 
 def _canonical(path: str, stacked: set[str]) -> tuple[str, bool]:
-    from .model import _stacked_prefix
-
-    prefix = _stacked_prefix(path, stacked)
+    prefix = stacked_prefix(path, stacked)
     if prefix is None:
         return path, False
     return f"{prefix}.0.{path[len(prefix) + 1:]}", True
@@ -171,14 +169,12 @@ def _canonical(path: str, stacked: set[str]) -> tuple[str, bool]:
 def param_shardings(model_or_state, mesh, *, vision: str = "data"):
     """A pure dict like `nnx.to_pure_dict(nnx.state(model))` of `NamedSharding`s, by `param_spec`
     (from a model, its state, or such a pure dict of arrays / `ShapeDtypeStruct`s)."""
-    from .model import _dotted, _stacked_stacks
-
     state = nnx.state(model_or_state) if isinstance(model_or_state, nnx.Module) else model_or_state
     pure = nnx.to_pure_dict(state) if isinstance(state, nnx.State) else state
-    stacked = _stacked_stacks(model_or_state)
+    stacked = stacked_stacks(model_or_state)
 
     def one(key_path, leaf):
-        path, is_stacked = _canonical(_dotted(key_path), stacked)
+        path, is_stacked = _canonical(dotted(key_path), stacked)
         return NamedSharding(mesh, param_spec(path, tuple(leaf.shape), mesh, vision=vision, stacked=is_stacked))
 
     return jax.tree_util.tree_map_with_path(one, pure)

@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_compile.py [--presets 8b 32b] [--prompt 512] [--batch 1] [--dtype bfloat16]
 
-For each preset, the text prefill (`generate._prefill` over a `--prompt`-token bucket, writing a
+For each preset, the text prefill (`generate.prefill` over a `--prompt`-token bucket, writing a
 fresh KV cache) and one decode chunk (`generate._decode_chunk`: the on-device loop of
 `generate.DECODE_CHUNK` steps) are lowered from abstract shapes (`Qwen3VL.abstract`: no weights are
 allocated) and compiled for this machine's backend. Prints the lowering and compile seconds of
@@ -30,7 +30,7 @@ def main(argv=None) -> None:
     from flax import nnx
 
     from qwen3vl_jax import Qwen3VL, preset
-    from qwen3vl_jax.generate import DECODE_CHUNK, EOS_SLOTS, _decode_chunk, _DecodeState, _prefill, cache_length
+    from qwen3vl_jax.generate import DECODE_CHUNK, EOS_SLOTS, _decode_chunk, _DecodeState, prefill, cache_length
     from qwen3vl_jax.text import KVCache
 
     dtype = jnp.dtype(args.dtype)
@@ -57,7 +57,7 @@ def main(argv=None) -> None:
                            sds((3, b), jnp.int32), sds((), jnp.int32), sds((EOS_SLOTS,), jnp.int32),
                            sds((), jnp.int32), key, *sampling)
             for stage, fn, fn_args, kwargs in (
-                ("prefill", _prefill, prefill_args, dict(slots=slots, do_sample=False)),
+                ("prefill", prefill, prefill_args, dict(slots=slots, do_sample=False)),
                 ("decode", _decode_chunk, decode_args, dict(chunk=DECODE_CHUNK, do_sample=False)),
             ):
                 start = time.perf_counter()

@@ -136,7 +136,7 @@ def bench_vision(hf, ours, config, repeats: int, limits: dict) -> None:
 def decode_weight_bytes(model) -> int:
     """Parameter bytes one decode step reads: every decoder layer, the final norm and the LM head
     (the embedding matrix when tied; one embedding row is negligible)."""
-    from qwen3vl_jax.model import canonical_params
+    from qwen3vl_jax.params import canonical_params
 
     params = canonical_params(model)
     head = "language_model.embed_tokens.embedding" if model.config.tie_word_embeddings else "lm_head.kernel"

@@ -128,7 +128,7 @@ def run(model, data: dict, pruned: dict, *, generate: bool = True) -> dict[str, 
 
 def shard_fractions(model, mesh) -> dict[str, np.ndarray]:
     """`[addressable shard fraction, the fraction its spec implies]` per large parameter."""
-    from qwen3vl_jax.model import canonical_params
+    from qwen3vl_jax.params import canonical_params
 
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
     out = {}

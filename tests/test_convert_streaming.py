@@ -86,12 +86,12 @@ def test_checkpoint_in_the_previous_orbax_format_still_converts(tiny_dir, tmp_pa
     """Before streaming, `save_orbax` was one `StandardSave` of the model's jax arrays."""
     import orbax.checkpoint as ocp
 
-    from qwen3vl_jax.model import _nest, canonical_params
+    from qwen3vl_jax.params import canonical_params, nest_paths
 
     old = tmp_path / "old"
     os.makedirs(old)
     with ocp.CheckpointManager(str(old / "orbax")) as manager:
-        params = ocp.args.StandardSave(_nest(canonical_params(jax_model)))
+        params = ocp.args.StandardSave(nest_paths(canonical_params(jax_model)))
         manager.save(0, args=ocp.args.Composite(params=params,
                                                 config=ocp.args.JsonSave(jax_model.config.to_hf_dict())))
         manager.wait_until_finished()
@@ -110,7 +110,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from qwen3vl_jax import Qwen3VL
 from qwen3vl_jax.convert import restore_orbax
-from qwen3vl_jax.model import _flat_paths, canonical_params
+from qwen3vl_jax.params import canonical_params, flat_paths
 
 mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
 
@@ -122,10 +122,10 @@ def target(config):
     return jax.tree.map(place, pure)
 
 config, params = restore_orbax(sys.argv[1], target)
-want = dict(_flat_paths(target(config)))
+want = dict(flat_paths(target(config)))
 ref = canonical_params(Qwen3VL.from_pretrained(sys.argv[2]))
 split = 0
-for path, leaf in _flat_paths(params):
+for path, leaf in flat_paths(params):
     assert isinstance(leaf, jax.Array) and leaf.sharding == want[path].sharding, path
     assert leaf.dtype == want[path].dtype, path
     np.testing.assert_array_equal(np.asarray(leaf), np.asarray(ref[path]), err_msg=path)

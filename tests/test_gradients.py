@@ -20,7 +20,7 @@ from pallas_kernels.attention.mask import AttentionMask
 from pallas_kernels.pos_embed import api as pos_api
 from pallas_kernels.pos_embed import reference as pos_ref
 from qwen3vl_jax import Qwen3VL
-from qwen3vl_jax.convert import ours_to_hf_name
+from qwen3vl_jax.params import ours_to_hf_name
 from qwen3vl_jax.model import MODEL_INPUTS, canonical_params
 
 CASE = dict(

@@ -109,8 +109,8 @@ def test_gradient_through_the_language_model_equals_torch(batch, hf_model, jax_m
     """d loss / d (decoder, LM head) against torch autograd, the visual features held as inputs:
     the chunked, rematerialized cross-entropy differentiates like HF's. (Gradients into the vision
     tower wait for a differentiable varlen attention.)"""
-    from qwen3vl_jax.convert import ours_to_hf_name
-    from qwen3vl_jax.model import _flat_paths
+    from qwen3vl_jax.params import ours_to_hf_name
+    from qwen3vl_jax.params import flat_paths
 
     hf_model.zero_grad()
     inputs = {k: torch.from_numpy(np.asarray(batch[k])) for k in MODEL_INPUTS if k in batch}
@@ -123,7 +123,7 @@ def test_gradient_through_the_language_model_equals_torch(batch, hf_model, jax_m
     loss = functools.partial(loss_lib._loss_from_inputs, graphdef, chunk_size=16)
     grads = jax.grad(lambda s: loss(s, prepared, labels))(state)
     checked = 0
-    for path, grad in _flat_paths(grads):
+    for path, grad in flat_paths(grads):
         if path.startswith("visual."):
             continue
         name, transform = ours_to_hf_name(path)

@@ -87,7 +87,7 @@ def _paths(state) -> list[str]:
 def test_lora_steps_train_only_the_adapters(tiny_dir, batch):
     """With dropout on: the loss of the batch falls, the base weights do not move, and evaluation
     (dropout off) is deterministic."""
-    from qwen3vl_jax.model import canonical_params
+    from qwen3vl_jax.params import canonical_params
     from qwen3vl_jax.training.lora import LoRAConfig, LoRAWeight, add_lora
 
     model = Qwen3VL.from_pretrained(tiny_dir)

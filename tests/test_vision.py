@@ -210,8 +210,8 @@ def test_bad_inputs_name_the_item(jax_model):
 
 def test_module_tree_mirrors_hf_names(jax_model, hf_model):
     """Every HF vision tensor name maps to one of our parameters and back (the converter's premise)."""
-    from qwen3vl_jax.convert import hf_to_ours_name, ours_to_hf_name
-    from qwen3vl_jax.model import param_shapes
+    from qwen3vl_jax.params import hf_to_ours_name, ours_to_hf_name
+    from qwen3vl_jax.params import param_shapes
 
     ours = param_shapes(nnx.state(jax_model, nnx.Param))
     hf_names = [n for n in hf_model.state_dict() if n.startswith("model.visual.")]

@@ -40,7 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..convert import hf_to_ours_name, ours_to_hf_name
+from ..convert import save_hf, save_orbax
+from ..model import register_adapter_loader
+from ..params import STACKS, canonical_params, fill_state, hf_to_ours_name, nest_paths, ours_to_hf_name
 
 __all__ = ["LoRAConfig", "LoRALinear", "LoRAWeight", "LoRAKey", "LANGUAGE_TARGETS", "VISION_TARGETS",
            "add_lora", "lora_modules", "save_adapter", "load_adapter", "merged_params", "export_merged",
@@ -189,8 +191,6 @@ def add_lora(model, config: LoRAConfig, *, seed: int = 0, modules: list[str] | N
 def _canonical_module(path: str, model) -> str:
     """A module path with a block index (`...layers.0....`) for a stacked stack, so the converter's
     name table applies (the HF name then has index 0; matching ignores it)."""
-    from ..model import STACKS
-
     for stack in STACKS:
         if path.startswith(stack + ".") and not path[len(stack) + 1].isdigit():
             return f"{stack}.0.{path[len(stack) + 1:]}"
@@ -208,8 +208,6 @@ def set_lora_training(model, training: bool) -> None:
 
 def _adapter_tensors(model) -> dict[str, np.ndarray]:
     """PEFT's `{base_model.model.<HF module>.lora_{A,B}.weight: torch-layout array}`, per block."""
-    from ..model import canonical_params
-
     tensors = {}
     for path, leaf in canonical_params(nnx.state(model, LoRAWeight)).items():
         module, factor = path.rsplit(".", 1)
@@ -273,7 +271,6 @@ def load_adapter(model, directory: str | os.PathLike) -> list[str]:
     """
     from safetensors.numpy import load_file
 
-    from ..model import _fill_state
 
     directory = os.fspath(directory)
     with open(os.path.join(directory, ADAPTER_CONFIG)) as f:
@@ -311,14 +308,12 @@ def load_adapter(model, directory: str | os.PathLike) -> list[str]:
             modules.append(path)
     add_lora(model, config, modules=modules)
     state = nnx.state(model, LoRAWeight)
-    nnx.update(model, _fill_state(state, per_block))
+    nnx.update(model, fill_state(state, per_block))
     return modules
 
 
 def _strip_index(block: str) -> tuple[str, str]:
     """`language_model.layers.3.self_attn.q_proj` -> (`language_model.layers`, `self_attn.q_proj`)."""
-    from ..model import STACKS
-
     for stack in STACKS:
         if block.startswith(stack + "."):
             rest = block[len(stack) + 1:]
@@ -333,8 +328,6 @@ def _strip_index(block: str) -> tuple[str, str]:
 
 def merged_params(model) -> dict[str, np.ndarray]:
     """`canonical_params(model)` with every adapter folded into its kernel (`W + scale * A B`)."""
-    from ..model import canonical_params
-
     params = {k: np.asarray(v) for k, v in canonical_params(model).items()}
     lora = canonical_params(nnx.state(model, LoRAWeight))
     scales = {p: m.lora_scale for p, m in lora_modules(model).items()}
@@ -356,11 +349,12 @@ def _stacked_name(module: str) -> str:
 def export_merged(model, directory: str | os.PathLike, *, dtype: str | None = None, to: str = "hf") -> str:
     """The model with its adapters merged, as a plain HF checkpoint (config.json + safetensors,
     `to="hf"`) or as Orbax (`to="orbax"`, what `Qwen3VL.from_pretrained` and `save_orbax` use)."""
-    from ..convert import save_hf, save_orbax
-    from ..model import _nest
 
     if to == "hf":
         return save_hf(merged_params(model), model.config, directory, dtype=dtype)
     if to == "orbax":
-        return save_orbax(_nest(merged_params(model)), model.config, directory)
+        return save_orbax(nest_paths(merged_params(model)), model.config, directory)
     raise ValueError(f"to must be 'hf' or 'orbax', got {to!r}")
+
+
+register_adapter_loader("peft", load_adapter)  # `Qwen3VL.from_pretrained(path, adapter=DIR)`

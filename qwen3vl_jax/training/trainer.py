@@ -130,8 +130,8 @@ class Trainer:
         self.opt_state = self.tx.init(self._pure)
         self.step_count = 0
         self._schedule = learning_rate_schedule(config.learning_rate, config)
-        self._grad = jax.jit(functools.partial(_micro_step, self.graphdef, chunk_size), donate_argnums=(0,))
-        self._update = jax.jit(functools.partial(_update, self.tx), donate_argnums=(0, 1))
+        self._grad = jax.jit(functools.partial(micro_step, self.graphdef, chunk_size), donate_argnums=(0,))
+        self._update = jax.jit(functools.partial(apply_update, self.tx), donate_argnums=(0, 1))
         self._zeros = jax.jit(_zeros_like)
         self._whole = jax.jit(functools.partial(_whole_step, self.graphdef, chunk_size, self.tx),
                               donate_argnums=(0, 1))
@@ -272,7 +272,7 @@ def _summed_loss_grads(graphdef, chunk_size, params, keys, rest, inputs, labels,
     return grads, total, n.astype(jnp.int32)
 
 
-def _micro_step(graphdef, chunk_size, acc, params, keys, rest, inputs, labels, rng):
+def micro_step(graphdef, chunk_size, acc, params, keys, rest, inputs, labels, rng):
     """Add this micro-batch's gradient of the summed token losses, its loss sum and token count."""
     COMPILE_COUNTS["grad"] += 1
     grads, total, n = _summed_loss_grads(graphdef, chunk_size, params, keys, rest, inputs, labels, rng)
@@ -289,7 +289,7 @@ def _whole_step(graphdef, chunk_size, tx, params, opt_state, keys, rest, inputs,
     return params, opt_state, total, n, norm
 
 
-def _update(tx, params, opt_state, grads, count):
+def apply_update(tx, params, opt_state, grads, count):
     """Divide the accumulated gradient by the supervised-token count, then clip + AdamW."""
     COMPILE_COUNTS["update"] += 1
     return _apply(tx, params, opt_state, grads, count)
