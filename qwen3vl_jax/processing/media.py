@@ -1,4 +1,4 @@
-"""Media decoding: images (PIL, arrays, files) and videos (frame arrays, frame lists, files) to uint8 RGB.
+"""Media decoding: images and videos (PIL, arrays, torch tensors, frame lists, files) to uint8 RGB.
 
 Every loader returns channels-last uint8 RGB, (H, W, 3) for an image and (T, H, W, 3) for a video,
 converted as HF's `convert_to_rgb` / `load_image` / `read_video_pyav` do, so the pixel stages after it
