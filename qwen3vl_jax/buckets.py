@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
 
 from .sharding import use_mesh
 from .shapes import Buckets
@@ -77,7 +78,10 @@ class EncoderRunner:
         self.budgets = Buckets(tuple(budgets)) if budgets else Buckets.doubling(64, max_budget)
         self.max_segments = max_segments or 64
         if compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", compilation_cache_dir)
+            if jax.config.jax_compilation_cache_dir != compilation_cache_dir:
+                jax.config.update("jax_compilation_cache_dir", compilation_cache_dir)
+                # a cache already opened at another directory (JAX opens it once) moves here
+                compilation_cache.reset_cache()
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         self._graphdef, self._state = nnx.split(model.visual)
         self._executables: dict[int, object] = {}

@@ -9,12 +9,25 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
+import tempfile
 
 import jax
 import numpy as np
 import pytest
+from jax import monitoring
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# JAX's persistent compilation cache, one fresh directory per pytest run (so a run never reuses an
+# earlier run's executables and CI's time stays a fresh machine's), deleted at the end. Tests that
+# build the same program again (a new model object, a new jit wrapper, a subprocess: the sharding
+# worker, the CLI, the notebooks, which inherit the directory through the environment) load it
+# instead of compiling. `QWEN3VL_JAX_TEST_CACHE=off` runs without it.
+_CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": None, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+_CACHE_DIR = pytest.StashKey[tuple]()  # (the directory, the environment it replaced)
+_cache_events: dict[str, int] = {}
 
 # The torch-free lane (`QWEN3VL_JAX_LANE=torch-free`, run by .ci/run on the newest jax, where the
 # HF torch reference is not installed). A test file that imports torch at module level, or uses
@@ -28,6 +41,35 @@ _USES_TORCH = re.compile(r"^\s*(import torch|from torch)|\bhf_model\b|\bhf_proce
                          r"Qwen3VLForConditionalGeneration|Qwen2VLImageProcessorPil", re.M)
 _TORCH_FIXTURES = {"hf_model", "hf_processor"}
 _left_out: set[str] = set()  # pytest may ask about a file more than once
+
+
+def _count_cache_event(event: str, **_) -> None:
+    if event.startswith("/jax/compilation_cache/cache_"):
+        _cache_events[event] = _cache_events.get(event, 0) + 1
+
+
+def pytest_configure(config):
+    if os.environ.get("QWEN3VL_JAX_TEST_CACHE") == "off":
+        return
+    directory = tempfile.mkdtemp(prefix="qwen3vl-jax-xla-cache-")
+    config.stash[_CACHE_DIR] = (directory, {k: os.environ.get(k) for k in _CACHE_ENV})
+    os.environ.update({k: v or directory for k, v in _CACHE_ENV.items()})
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    monitoring.register_event_listener(_count_cache_event)
+
+
+def pytest_unconfigure(config):
+    directory, saved = config.stash.get(_CACHE_DIR, (None, {}))
+    if directory is None:
+        return
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -54,6 +96,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter):
+    if terminalreporter.config.stash.get(_CACHE_DIR, None) is not None:
+        hits = _cache_events.get("/jax/compilation_cache/cache_hits", 0)
+        misses = _cache_events.get("/jax/compilation_cache/cache_misses", 0)
+        terminalreporter.write_line(f"persistent compilation cache (this process): {hits} hits, {misses} compiles")
     if TORCH_FREE_LANE:
         terminalreporter.write_sep("=", f"torch-free lane: {len(_left_out)} left out (not run, not passed)")
         for line in sorted(_left_out):

@@ -17,7 +17,10 @@ def test_there_are_notebooks():
 
 def _param(path):  # a notebook that compares with the HF torch reference needs torch
     needs = "import torch" in path.read_text() or "transformers" in path.read_text()
-    return pytest.param(path, id=path.stem, marks=[pytest.mark.needs_torch] if needs else [])
+    marks = [pytest.mark.needs_torch] if needs else []
+    if path.stem != "01_quickstart":  # the fast tier runs the first; .ci/run every one (`slow`)
+        marks.append(pytest.mark.slow)
+    return pytest.param(path, id=path.stem, marks=marks)
 
 
 @pytest.mark.parametrize("path", [_param(p) for p in NOTEBOOKS])

@@ -666,6 +666,34 @@ def test_errors_match_hf(hf, ours, tmp_path):
         ours(text=IMG, images=[np.full((8, 8, 3), 0.5, np.float32)])
 
 
+def test_torch_images_and_videos_as_in_hf(hf, ours):
+    """Torch tensors (what HF's processors take besides PIL and numpy) give HF's outputs: uint8
+    images (C, H, W) and (H, W, C), a float one with integer levels, a (B, C, H, W) batch; videos
+    (T, C, H, W) and (T, H, W, C), a list of (C, H, W) frames."""
+    base = np.array(rand_image(45, 70, seed=5))
+    chw = torch.from_numpy(base).permute(2, 0, 1)
+    images = [chw, torch.from_numpy(base), chw.float(), torch.stack([chw, chw.flip(-1)])]
+    video = rand_video(6, 40, 56, seed=6)
+    tchw = torch.from_numpy(video).permute(0, 3, 1, 2)
+    videos = [tchw, torch.from_numpy(video), list(tchw)]
+    meta = [{"fps": 6.0, "total_num_frames": 6}]
+    for i, image in enumerate(images):
+        text = IMG * (2 if image.ndim == 4 else 1)
+        a, b = hf(text=text, images=image, return_tensors="np"), ours(text=text, images=image, return_tensors="np")
+        assert_same_text(a, b)
+        np.testing.assert_array_equal(a["image_grid_thw"], b["image_grid_thw"])
+        assert_resampling_noise(a["pixel_values"], b["pixel_values"], f"torch image {i}")
+        # the same values as the numpy array of the same layout
+        np.testing.assert_array_equal(b["pixel_values"], ours(text=text, images=image.numpy(),
+                                                              return_tensors="np")["pixel_values"])
+    for i, clip in enumerate(videos):
+        a = hf(text=VID, videos=[clip], video_metadata=meta, return_tensors="np")
+        b = ours(text=VID, videos=[clip], video_metadata=meta, return_tensors="np")
+        assert_same_text(a, b)
+        np.testing.assert_array_equal(a["video_grid_thw"], b["video_grid_thw"])
+        assert_resampling_noise(a["pixel_values_videos"], b["pixel_values_videos"], f"torch video {i}")
+
+
 def test_no_torch_at_run_time(ckpt, tmp_path):
     """A full run (image, video array, video file) imports neither torch nor torchvision."""
     import subprocess

@@ -17,19 +17,20 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import TORCH_FREE_LANE, assert_close
+from conftest import assert_close
 
 from qwen3vl_jax.sharding import ShardingError, check_mesh, make_mesh, param_spec, parse_mesh
 
 WORKER = os.path.join(os.path.dirname(__file__), "sharding_worker.py")
 # Heads the tensor axis (4) divides; widths fsdp = 8 divides.
 SHARDABLE = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16, mrope_section=(4, 2, 2))
-# Each case compiles the model about five times on 8 devices (~40 s). Plain "fsdp=2,tensor=4" is
+# Each case compiles the model about five times on 8 devices (~25 s). Plain "fsdp=2,tensor=4" is
 # the mesh of the two-process test below, and tensor parallelism of the unrolled language model is
-# checked there too, so the single-process cases are these four.
-MESH_CASES = ["data=8", "fsdp=8", "fsdp=2,tensor=4 scan orbax", "data=2,tensor=4 vision=tensor pallas"]
-if TORCH_FREE_LANE:  # the newest-JAX lane checks a subset
-    MESH_CASES = ["fsdp=2,tensor=4 scan orbax", "data=2,tensor=4 vision=tensor pallas"]  # every axis
+# checked there too, so the single-process cases are these four. The fast tier runs one that uses
+# the fsdp and tensor axes, the scanned stacks and the Orbax load; the rest are `slow` (.ci/run).
+FAST_MESH = "fsdp=2,tensor=4 scan orbax"
+MESH_CASES = ["data=8", "fsdp=8", FAST_MESH, "data=2,tensor=4 vision=tensor pallas"]
+MESH_PARAMS = [pytest.param(c, id=c, marks=() if c == FAST_MESH else pytest.mark.slow) for c in MESH_CASES]
 
 
 def _env() -> dict[str, str]:
@@ -49,15 +50,18 @@ def shardable_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def mesh_results(shardable_dir, tmp_path_factory):
+def mesh_results(request, shardable_dir, tmp_path_factory):
+    """The single-device reference and the meshes of the selected tests, in one worker."""
+    params = [getattr(item, "callspec", None) for item in request.session.items if item.module is request.module]
+    cases = sorted({p.params["case"] for p in params if p is not None and "case" in p.params})
     out = str(tmp_path_factory.mktemp("meshes") / "results.npz")
-    proc = subprocess.run([sys.executable, WORKER, "meshes", shardable_dir, out, "--cases", *MESH_CASES],
+    proc = subprocess.run([sys.executable, WORKER, "meshes", shardable_dir, out, "--cases", *cases],
                           env=_env(), capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return dict(np.load(out))
 
 
-@pytest.mark.parametrize("case", MESH_CASES)
+@pytest.mark.parametrize("case", MESH_PARAMS)
 def test_mesh_matches_single_device(mesh_results, case):
     r = mesh_results
     assert_close(r[f"{case}/logits"], r["single/logits"], "f32_logits", f"{case} logits")
@@ -77,7 +81,7 @@ def test_mesh_matches_single_device(mesh_results, case):
     assert float(r["single/step_change"]) > 1e-4 and np.abs(r["single/grads"]).max() > 0
 
 
-@pytest.mark.parametrize("case", MESH_CASES)
+@pytest.mark.parametrize("case", MESH_PARAMS)
 def test_addressable_shards_are_the_spec_fraction(mesh_results, case):
     fractions = {k.split("fraction ", 1)[1]: v for k, v in mesh_results.items() if k.startswith(f"{case}/fraction ")}
     assert "language_model.layers.0.self_attn.q_proj.kernel" in fractions
@@ -96,6 +100,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_agree_with_one(shardable_dir, mesh_results, tmp_path):
     """`jax.distributed` on loopback: 2 processes x 4 CPU devices, mesh fsdp=2,tensor=4 across
     both; each process loads only its slices and gets the single-device logits, gradients and

@@ -1,4 +1,4 @@
-"""Media decoding: images (PIL, arrays, files) and videos (frame arrays, frame lists, files) to uint8 RGB.
+"""Media decoding: images and videos (PIL, arrays, torch tensors, frame lists, files) to uint8 RGB.
 
 Every loader returns channels-last uint8 RGB, (H, W, 3) for an image and (T, H, W, 3) for a video,
 converted as HF's `convert_to_rgb` / `load_image` / `read_video_pyav` do, so the pixel stages after it
@@ -62,6 +62,28 @@ class VideoMetadata:
         if not is_positive_int(n):
             raise ValueError(f"total_num_frames must be a positive integer, got {n!r}")
         return self
+
+
+def _is_torch_tensor(x: Any) -> bool:
+    """A `torch.Tensor` (or subclass), told by its type's name so that torch is never imported."""
+    return any(c.__name__ == "Tensor" and c.__module__ == "torch" for c in type(x).__mro__)
+
+
+def from_torch(x: Any) -> Any:
+    """Torch tensors in `x` (a tensor, or lists / tuples of them) as numpy arrays, detached and on
+    the host; a bfloat16 tensor (numpy has no bfloat16) as float32. Anything else is unchanged.
+
+    HF's processors take torch images and videos; so do ours, with the same layouts: an image is
+    (C, H, W) or (H, W, C), a video (T, C, H, W) or (T, H, W, C), a batch one more axis in front.
+    """
+    if _is_torch_tensor(x):
+        tensor = x.detach().cpu()
+        if str(tensor.dtype) == "torch.bfloat16":
+            tensor = tensor.float()
+        return tensor.numpy()
+    if isinstance(x, (list, tuple)) and any(_is_torch_tensor(i) or isinstance(i, (list, tuple)) for i in x):
+        return [from_torch(i) for i in x]
+    return x
 
 
 def _is_image_like(x: Any) -> bool:
@@ -154,7 +176,8 @@ def _array_to_rgb(array: np.ndarray, data_format: str | None, num_channels=(1, 3
 
 
 def load_image(image: Any, input_data_format: str | None = None) -> np.ndarray:
-    """A PIL image, numpy array or path -> uint8 RGB array (H, W, 3)."""
+    """A PIL image, numpy array, torch tensor or path -> uint8 RGB array (H, W, 3)."""
+    image = from_torch(image)
     if isinstance(image, (str, os.PathLike)):
         path = os.fspath(image)
         if not os.path.isfile(path):
@@ -173,8 +196,8 @@ def load_image(image: Any, input_data_format: str | None = None) -> np.ndarray:
         return _array_to_rgb(image, input_data_format)
     if hasattr(image, "__array__") and not isinstance(image, (list, tuple)):  # jax arrays and the like
         return load_image(np.asarray(image), input_data_format)
-    raise TypeError(
-        f"unsupported image type {type(image).__name__}: pass a PIL image, a numpy array or a path")
+    raise TypeError(f"unsupported image type {type(image).__name__}: pass a PIL image, a numpy array, "
+                    "a torch tensor or a path")
 
 
 def load_video(path: str | os.PathLike, sample_fn=None) -> tuple[np.ndarray, VideoMetadata]:
@@ -231,6 +254,7 @@ def load_video(path: str | os.PathLike, sample_fn=None) -> tuple[np.ndarray, Vid
 
 
 def _flatten_images(images: Any) -> list[Any]:
+    images = from_torch(images)
     if images is None:
         return []
     if isinstance(images, (list, tuple)):
@@ -256,8 +280,9 @@ def _batch_videos(videos: Any) -> list[Any]:
     A video is a file path, a 4-D array, a list of frames, or a list of frame image paths. A flat
     list of paths is several video files; one of frame image paths is a video only one level
     deeper than a list of videos (`[[[a.png, b.png]]]`, what the chat template collects per
-    conversation: HF's early exit). A 5-D array is a batch.
+    conversation: HF's early exit). A 5-D array is a batch. Torch tensors count as arrays.
     """
+    videos = from_torch(videos)
     try:  # HF's early exit: a nested list of image paths is a batch of frame-path videos
         if isinstance(videos[0][0], (list, tuple)) and isinstance(videos[0][0][0], (str, os.PathLike)):
             return [list(paths) for sublist in videos for paths in sublist]
