@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from .media import _flatten_images, load_image
+from .media import flatten_images, load_image
 
 # HF's hard limit on max(h, w) / min(h, w) in both smart_resize functions.
 MAX_ASPECT_RATIO = 200
@@ -30,7 +30,7 @@ _RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.
 # Resizing rules (numerics mirror HF exactly: Python round/floor/ceil on floats)
 
 
-def _check_aspect_ratio(height: float, width: float) -> None:
+def check_aspect_ratio(height: float, width: float) -> None:
     ratio = max(height, width) / min(height, width)
     if ratio > MAX_ASPECT_RATIO:
         raise ValueError(
@@ -46,7 +46,7 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     """
     if height < 1 or width < 1:
         raise ValueError(f"image is too small: height {height} and width {width} must be at least 1 pixel")
-    _check_aspect_ratio(height, width)
+    check_aspect_ratio(height, width)
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
@@ -66,7 +66,7 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 
 @dataclass(frozen=True)
-class _PixelConfig:
+class PixelConfig:
     patch_size: int = 16
     temporal_patch_size: int = 2
     merge_size: int = 2
@@ -114,7 +114,7 @@ def _lookup_table(do_rescale, rescale_factor, do_normalize, mean, std) -> np.nda
     return _LUT_CACHE[key]
 
 
-def _affine_path(config: _PixelConfig) -> list[tuple[np.float32, np.float32, np.float32]] | None:
+def _affine_path(config: PixelConfig) -> list[tuple[np.float32, np.float32, np.float32]] | None:
     """Per channel (divisor, mean, std) such that float32 ((v / divisor) - mean) / std equals the
     lookup table for all 256 levels, or None if that arithmetic is not exact for this config.
 
@@ -151,7 +151,7 @@ _NO_EFFECT_KEYS = frozenset({"device", "disable_grouping", "data_format", "retur
 _UNSUPPORTED_KEYS = frozenset({"do_pad", "pad_size", "do_center_crop", "crop_size"})
 
 
-def _size_overrides(base: _PixelConfig, kwargs: dict[str, Any], *, from_config: bool = False) -> _PixelConfig:
+def size_overrides(base: PixelConfig, kwargs: dict[str, Any], *, from_config: bool = False) -> PixelConfig:
     """Apply call-time overrides: size={'shortest_edge','longest_edge'}, min_pixels, max_pixels, ...
 
     As HF: a call-time `size` replaces the configured one whole, so it needs both edges when the
@@ -195,12 +195,12 @@ def _size_overrides(base: _PixelConfig, kwargs: dict[str, Any], *, from_config: 
     return config
 
 
-def _resize(frame: np.ndarray, height: int, width: int, resample: int) -> np.ndarray:
+def resize_frame(frame: np.ndarray, height: int, width: int, resample: int) -> np.ndarray:
     """uint8 (H, W, 3) -> uint8 (height, width, 3) with PIL, as HF's PIL backend resizes."""
     return np.asarray(Image.fromarray(frame).resize((width, height), resample=_RESAMPLE[int(resample)]))
 
 
-def _patchify(frames: np.ndarray, config: _PixelConfig, out: np.ndarray | None = None):
+def patchify(frames: np.ndarray, config: PixelConfig, out: np.ndarray | None = None):
     """uint8 (T, H, W, 3) -> float32 [t*h*w, C*T*p*p] patches (HF's order) and (t, h, w).
 
     T is a multiple of the temporal patch size, or 1 for an image (its frame then fills the whole
@@ -237,7 +237,7 @@ def _patchify(frames: np.ndarray, config: _PixelConfig, out: np.ndarray | None =
     return out.reshape(gt * gh * gw, c * tp * p * p), (gt, gh, gw)
 
 
-def _map(fn, items: list, num_threads: int) -> list:
+def map_threads(fn, items: list, num_threads: int) -> list:
     """`list(map(fn, items))`, on a thread pool when it pays (PIL and numpy release the GIL)."""
     if num_threads <= 1 or len(items) <= 1:
         return [fn(x) for x in items]
@@ -247,39 +247,39 @@ def _map(fn, items: list, num_threads: int) -> list:
         return list(pool.map(fn, items))
 
 
-def _default_threads() -> int:
+def default_threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
 class ImageProcessor:
     """Images -> `pixel_values` [P, C*T*p*p] and `image_grid_thw` [N, 3] (HF's Qwen2VLImageProcessorPil)."""
 
-    def __init__(self, config: _PixelConfig):
+    def __init__(self, config: PixelConfig):
         self.config = config
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ImageProcessor:
         # Defaults for absent keys are those of HF's Qwen2VLImageProcessor class.
-        defaults = _PixelConfig(patch_size=14, min_pixels=56 * 56, max_pixels=28 * 28 * 1280,
+        defaults = PixelConfig(patch_size=14, min_pixels=56 * 56, max_pixels=28 * 28 * 1280,
                                 image_mean=(0.48145466, 0.4578275, 0.40821073),
                                 image_std=(0.26862954, 0.26130258, 0.27577711))
-        return cls(_pixel_config_from_dict(d, defaults))
+        return cls(pixel_config_from_dict(d, defaults))
 
     @property
     def merge_size(self) -> int:
         return self.config.merge_size
 
     def target_size(self, height: int, width: int, **kwargs) -> tuple[int, int]:
-        config = _size_overrides(self.config, kwargs)
+        config = size_overrides(self.config, kwargs)
         return smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
 
     def num_tokens(self, height: int, width: int, **kwargs) -> int:
         """Number of `<|image_pad|>` tokens for an image of this size."""
-        config = _size_overrides(self.config, kwargs)
+        config = size_overrides(self.config, kwargs)
         h, w = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
         return (h // config.patch_size) * (w // config.patch_size) // config.merge_size ** 2
 
-    def _target(self, rgb: np.ndarray, config: _PixelConfig) -> tuple[int, int]:
+    def _target(self, rgb: np.ndarray, config: PixelConfig) -> tuple[int, int]:
         height, width = rgb.shape[:2]
         if config.do_resize:
             return smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
@@ -294,12 +294,12 @@ class ImageProcessor:
         unknown = set(kwargs) - IMAGE_KEYS
         if unknown:
             raise TypeError(f"unexpected image processor keyword argument(s): {sorted(unknown)}")
-        config = _size_overrides(self.config, kwargs)
-        images = _flatten_images(images)
+        config = size_overrides(self.config, kwargs)
+        images = flatten_images(images)
         if not images:
             raise ValueError("no images given")
-        threads = _default_threads() if num_threads is None else num_threads
-        rgbs = _map(lambda image: load_image(image, input_data_format), images, threads)
+        threads = default_threads() if num_threads is None else num_threads
+        rgbs = map_threads(lambda image: load_image(image, input_data_format), images, threads)
         targets = [self._target(rgb, config) for rgb in rgbs]  # all size checks before any work
         p, m, tp = config.patch_size, config.merge_size, config.temporal_patch_size
         rows = [(h // p) * (w // p) for h, w in targets]
@@ -309,18 +309,18 @@ class ImageProcessor:
         def work(i):
             (h, w), rgb = targets[i], rgbs[i]
             if config.do_resize:  # HF resizes even at equal size (PIL then returns a copy)
-                rgb = _resize(rgb, h, w, config.resample)
+                rgb = resize_frame(rgb, h, w, config.resample)
             rows_out = out[offsets[i]:offsets[i + 1]].reshape(1, h // p // m, w // p // m, m, m, 3, tp, p, p)
             # An image is one temporal patch: its frame repeated temporal_patch_size times.
-            _patchify(rgb[None], config, out=rows_out)
+            patchify(rgb[None], config, out=rows_out)
 
-        _map(work, list(range(len(images))), threads)
+        map_threads(work, list(range(len(images))), threads)
         grids = [(1, h // p, w // p) for h, w in targets]
         return {"pixel_values": out, "image_grid_thw": np.asarray(grids, dtype=np.int64)}
 
 
 
-def _pixel_config_from_dict(d: dict[str, Any], defaults: _PixelConfig) -> _PixelConfig:
+def pixel_config_from_dict(d: dict[str, Any], defaults: PixelConfig) -> PixelConfig:
     """Build from a preprocessor_config.json dict (HF's keys; min/max_pixels override size)."""
     keys = ("patch_size", "temporal_patch_size", "merge_size", "rescale_factor", "resample", "do_resize",
             "do_rescale", "do_normalize", "do_convert_rgb")
@@ -330,6 +330,6 @@ def _pixel_config_from_dict(d: dict[str, Any], defaults: _PixelConfig) -> _Pixel
             v = d[key]
             kwargs[key] = tuple(float(x) for x in v) if isinstance(v, (list, tuple)) else (float(v),) * 3
     config = replace(defaults, **kwargs)
-    return _size_overrides(config, {"size": d.get("size"), "min_pixels": d.get("min_pixels"),
+    return size_overrides(config, {"size": d.get("size"), "min_pixels": d.get("min_pixels"),
                                     "max_pixels": d.get("max_pixels")}, from_config=True)
 

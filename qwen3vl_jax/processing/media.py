@@ -157,7 +157,7 @@ def _channels_last(array: np.ndarray, num_channels: tuple[int, ...], data_format
     return array
 
 
-def _array_to_rgb(array: np.ndarray, data_format: str | None, num_channels=(1, 3, 4)) -> np.ndarray:
+def array_to_rgb(array: np.ndarray, data_format: str | None, num_channels=(1, 3, 4)) -> np.ndarray:
     """Any (H, W), (H, W, C), (C, H, W) array (or stacks of them) -> uint8 (..., H, W, 3)."""
     if array.ndim == 2:
         array = array[..., None]
@@ -193,7 +193,7 @@ def load_image(image: Any, input_data_format: str | None = None) -> np.ndarray:
     if isinstance(image, np.ndarray):
         if image.ndim not in (2, 3):
             raise ValueError(f"an image array must have 2 or 3 dimensions, got shape {image.shape}")
-        return _array_to_rgb(image, input_data_format)
+        return array_to_rgb(image, input_data_format)
     if hasattr(image, "__array__") and not isinstance(image, (list, tuple)):  # jax arrays and the like
         return load_image(np.asarray(image), input_data_format)
     raise TypeError(f"unsupported image type {type(image).__name__}: pass a PIL image, a numpy array, "
@@ -253,28 +253,28 @@ def load_video(path: str | os.PathLike, sample_fn=None) -> tuple[np.ndarray, Vid
 
 
 
-def _flatten_images(images: Any) -> list[Any]:
+def flatten_images(images: Any) -> list[Any]:
     images = from_torch(images)
     if images is None:
         return []
     if isinstance(images, (list, tuple)):
         out = []
         for item in images:
-            out.extend(_flatten_images(item))
+            out.extend(flatten_images(item))
         return out
     if isinstance(images, np.ndarray) and images.ndim == 4:  # a batch of images
         return list(images)
     return [images]
 
 
-def _is_video(x: Any) -> bool:
+def is_video(x: Any) -> bool:
     """A 4-D array, or a non-empty list of frames (PIL images or 2-/3-D arrays): HF's `is_valid_video`."""
     if isinstance(x, (list, tuple)):
         return bool(x) and all(_is_image_like(f) for f in x)
     return isinstance(x, np.ndarray) and x.ndim == 4
 
 
-def _batch_videos(videos: Any) -> list[Any]:
+def batch_videos(videos: Any) -> list[Any]:
     """The list of videos in `videos`, nested as HF's `make_batched_videos` reads it.
 
     A video is a file path, a 4-D array, a list of frames, or a list of frame image paths. A flat
@@ -288,7 +288,7 @@ def _batch_videos(videos: Any) -> list[Any]:
             return [list(paths) for sublist in videos for paths in sublist]
     except (IndexError, TypeError, KeyError):
         pass
-    if isinstance(videos, (str, os.PathLike)) or _is_video(videos):
+    if isinstance(videos, (str, os.PathLike)) or is_video(videos):
         return [list(videos) if isinstance(videos, (list, tuple)) else videos]
     if isinstance(videos, np.ndarray):
         if videos.ndim == 5:
@@ -301,10 +301,10 @@ def _batch_videos(videos: Any) -> list[Any]:
                         "frames or a file path")
     out = []
     for item in videos:
-        if isinstance(item, (str, os.PathLike)) or _is_video(item):
+        if isinstance(item, (str, os.PathLike)) or is_video(item):
             out.append(list(item) if isinstance(item, (list, tuple)) else item)
         elif isinstance(item, (list, tuple)) and item:
-            out.extend(_batch_videos(item))
+            out.extend(batch_videos(item))
         elif isinstance(item, np.ndarray):
             raise ValueError(f"a video array must have 4 dimensions (T, H, W, C), got shape {item.shape}")
         elif not isinstance(item, (list, tuple)):

@@ -20,8 +20,8 @@ import numpy as np
 from ..config import read_json
 from . import chat
 from .image import IMAGE_KEYS, ImageProcessor
-from .media import _batch_videos, _flatten_images
-from .prompt import (IMAGE_TOKEN, TEXT_KEYS, VIDEO_TOKEN, VISION_END, VISION_START, _load_tokenizer, _token_str,
+from .media import batch_videos, flatten_images
+from .prompt import (IMAGE_TOKEN, TEXT_KEYS, VIDEO_TOKEN, VISION_END, VISION_START, load_tokenizer, token_str,
                      expand, image_placeholder, tokenize, video_placeholder)
 from .video import VIDEO_KEYS, VideoProcessor
 
@@ -139,7 +139,7 @@ class Qwen3VLProcessor:
 
         special = {}
         for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
-            value = _token_str(tok_config.get(key))
+            value = token_str(tok_config.get(key))
             if value is not None:
                 special[key] = value
         if tok_config.get("tokenizer_class", "Qwen2Tokenizer").startswith("Qwen2Tokenizer"):
@@ -147,7 +147,7 @@ class Qwen3VLProcessor:
             special.setdefault("eos_token", "<|endoftext|>")
             special.setdefault("pad_token", "<|endoftext|>")
         return cls(
-            tokenizer=_load_tokenizer(path, tok_config),
+            tokenizer=load_tokenizer(path, tok_config),
             image_processor=ImageProcessor.from_dict(image_dict),
             video_processor=VideoProcessor.from_dict(video_dict),
             chat_template=chat_template,
@@ -227,8 +227,8 @@ class Qwen3VLProcessor:
                 if not t:
                     raise ValueError(f"text[{i}] is empty: a prompt needs at least one token")
 
-        image_list = _flatten_images(images)
-        video_list = _batch_videos(videos) if videos is not None else []
+        image_list = flatten_images(images)
+        video_list = batch_videos(videos) if videos is not None else []
         if texts is not None:
             n_img = sum(t.count(IMAGE_TOKEN) for t in texts)
             n_vid = sum(t.count(VIDEO_TOKEN) for t in texts)

@@ -22,7 +22,7 @@ VISION_END = "<|vision_end|>"
 # Tokenizer
 
 
-def _load_tokenizer(path: str, tokenizer_config: dict[str, Any]):
+def load_tokenizer(path: str, tokenizer_config: dict[str, Any]):
     """tokenizer.json with the `tokenizers` library, normalized to what HF's Qwen2Tokenizer builds.
 
     HF v5's `Qwen2Tokenizer` keeps only the vocabulary, merges and added tokens of tokenizer.json
@@ -54,7 +54,7 @@ def _load_tokenizer(path: str, tokenizer_config: dict[str, Any]):
     return tokenizer
 
 
-def _token_str(value: Any) -> str | None:
+def token_str(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value

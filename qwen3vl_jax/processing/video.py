@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from .image import (_check_aspect_ratio, _default_threads, _map, _patchify, _PixelConfig, _pixel_config_from_dict,
-                    _resize, _size_overrides)
-from .media import (VideoMetadata, _array_to_rgb, _batch_videos, _is_video, is_positive_int, load_image,
+from .image import (check_aspect_ratio, default_threads, map_threads, patchify, PixelConfig, pixel_config_from_dict,
+                    resize_frame, size_overrides)
+from .media import (VideoMetadata, array_to_rgb, batch_videos, is_video, is_positive_int, load_image,
                     load_video)
 
 def smart_resize_video(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
@@ -39,7 +39,7 @@ def smart_resize_video(num_frames: int, height: int, width: int, temporal_factor
         scale = max(factor / height, factor / width)
         height = int(height * scale)
         width = int(width * scale)
-    _check_aspect_ratio(height, width)
+    check_aspect_ratio(height, width)
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     t_bar = round(num_frames / temporal_factor) * temporal_factor
@@ -122,19 +122,19 @@ class VideoProcessor:
     clamped to [min_frames, max_frames]; all sampled frames share one target size.
     """
 
-    def __init__(self, config: _PixelConfig, video: _VideoConfig):
+    def __init__(self, config: PixelConfig, video: _VideoConfig):
         self.config = config
         self.video = video
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> VideoProcessor:
         # Defaults for absent keys are those of HF's Qwen3VLVideoProcessor class.
-        defaults = _PixelConfig(patch_size=16, min_pixels=128 * 32 * 32, max_pixels=32 * 32 * 768,
+        defaults = PixelConfig(patch_size=16, min_pixels=128 * 32 * 32, max_pixels=32 * 32 * 768,
                                 image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5))
         video = _VideoConfig()
         video = replace(video, **{f.name: d[f.name] for f in fields(_VideoConfig)
                                   if f.name in d and d[f.name] is not None})
-        return cls(_pixel_config_from_dict(d, defaults), video)
+        return cls(pixel_config_from_dict(d, defaults), video)
 
     @property
     def merge_size(self) -> int:
@@ -175,7 +175,7 @@ class VideoProcessor:
             if frames.ndim != 4:
                 raise ValueError(
                     f"a video array must have 4 dimensions (T, H, W, C), got shape {frames.shape}")
-            frames = _array_to_rgb(frames, input_data_format, num_channels=(1, 3))
+            frames = array_to_rgb(frames, input_data_format, num_channels=(1, 3))
         total = len(frames)
         if metadata is None:
             meta = VideoMetadata(total_num_frames=total, fps=None, frames_indices=list(range(total)),
@@ -198,7 +198,7 @@ class VideoProcessor:
             meta.frames_indices = [int(i) for i in indices]
         return frames, meta
 
-    def process_one(self, video: Any, metadata: Any = None, *, config: _PixelConfig | None = None,
+    def process_one(self, video: Any, metadata: Any = None, *, config: PixelConfig | None = None,
                     video_config: _VideoConfig | None = None, fps=None, num_frames=None,
                     input_data_format: str | None = None, num_threads: int = 1):
         """One video -> (patches [t*h*w, D], (t, h, w), timestamps, metadata)."""
@@ -236,12 +236,12 @@ class VideoProcessor:
             g0, g1 = span
             chunk = [frames[i] for i in order[g0 * tp:g1 * tp]]
             if config.do_resize:  # HF resizes even at equal size (PIL then returns the frame as is)
-                chunk = [_resize(f, h, w, config.resample) for f in chunk]
-            _patchify(np.stack(chunk), config, out=out[g0:g1])
+                chunk = [resize_frame(f, h, w, config.resample) for f in chunk]
+            patchify(np.stack(chunk), config, out=out[g0:g1])
 
         pieces = max(1, min(gt, 2 * num_threads))
         bounds = np.linspace(0, gt, pieces + 1).round().astype(int)
-        _map(work, [(int(a), int(b)) for a, b in itertools.pairwise(bounds) if b > a], num_threads)
+        map_threads(work, [(int(a), int(b)) for a, b in itertools.pairwise(bounds) if b > a], num_threads)
         patches = out.reshape(gt * (h // p) * (w // p), frames.shape[-1] * tp * p * p)
         grid = (gt, h // p, w // p)
         fps_for_time = 24 if meta.fps is None else meta.fps
@@ -260,17 +260,17 @@ class VideoProcessor:
         unknown = set(kwargs) - VIDEO_KEYS
         if unknown:
             raise TypeError(f"unexpected video processor keyword argument(s): {sorted(unknown)}")
-        config = _size_overrides(self.config, kwargs)
+        config = size_overrides(self.config, kwargs)
         vc = replace(self.video, **{k: kwargs[k] for k in ("do_sample_frames", "cap_pixels_per_frame",
                                                            "max_video_tokens")
                                     if kwargs.get(k) is not None})
         if not is_positive_int(vc.max_video_tokens):
             raise ValueError(f"max_video_tokens must be a positive int, got {vc.max_video_tokens!r}")
-        if isinstance(videos, (list, tuple)) and videos and not _is_video(videos) and all(
-                isinstance(v, (str, os.PathLike, list, tuple)) or _is_video(v) for v in videos):
+        if isinstance(videos, (list, tuple)) and videos and not is_video(videos) and all(
+                isinstance(v, (str, os.PathLike, list, tuple)) or is_video(v) for v in videos):
             videos = list(videos)  # one entry per video already (what the processor passes)
         else:
-            videos = _batch_videos(videos)
+            videos = batch_videos(videos)
         if video_metadata is None:
             metas = [None] * len(videos)
         elif isinstance(video_metadata, (list, tuple)):
@@ -288,7 +288,7 @@ class VideoProcessor:
                     VideoMetadata.coerce(meta, 1)
                 except (ValueError, TypeError) as e:
                     raise type(e)(f"video_metadata[{i}]: {e}") from e
-        threads = _default_threads() if num_threads is None else num_threads
+        threads = default_threads() if num_threads is None else num_threads
         patches, grids, stamps, out_meta = [], [], [], []
         for video, meta in zip(videos, metas):
             x, grid, ts, m = self.process_one(video, meta, config=config, video_config=vc, fps=fps,
