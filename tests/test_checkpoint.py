@@ -117,10 +117,14 @@ def test_raw_tokenizer_json_agrees_with_hf(tiny_dir):
 
 def test_mesh_given_as_a_string(tiny_dir, jax_model):
     """`from_pretrained(path, mesh="AXIS=SIZE,...")` builds the mesh (`sharding.make_mesh`)."""
-    from qwen3vl_jax.sharding import ShardingError, model_mesh
+    import jax
+
+    from qwen3vl_jax.sharding import ShardingError
 
     model = Qwen3VL.from_pretrained(tiny_dir, mesh="data=1")
-    assert model_mesh(model) is not None and dict(model_mesh(model).shape) == {"data": 1, "fsdp": 1, "tensor": 1}
+    placed = model.language_model.embed_tokens.embedding[...].sharding
+    assert isinstance(placed, jax.sharding.NamedSharding)
+    assert dict(placed.mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
     np.testing.assert_array_equal(np.asarray(model.language_model.embed_tokens.embedding[...]),
                                   np.asarray(jax_model.language_model.embed_tokens.embedding[...]))
     with pytest.raises(ShardingError, match="needs 8 devices, but 1"):
