@@ -31,6 +31,9 @@ import time
 
 import numpy as np
 
+from .checks import (ArgumentError, existing_file, non_negative_int, non_negative_number, output_directory,
+                     positive_int)
+
 TINY_NAME = "tiny-v1"
 
 
@@ -200,12 +203,12 @@ def run_convert(args) -> None:
 
 
 def run_finetune(args) -> int:
-    from .training.run import finetune
+    from .training.run import TrainingDiverged, finetune
 
     options = {k: v for k, v in vars(args).items() if k != "command"}
     try:
         summary = finetune(**options)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, TrainingDiverged) as e:
         print(f"qwen3vl-jax finetune: error: {e}", file=sys.stderr)
         return 2
     print(f"finetune: {summary['steps']} updates, {summary['rows']} rows ({summary['skipped']} skipped), "
@@ -245,6 +248,33 @@ def run_plan(args) -> int:
         print(f"\ncompiling the steps on {result.devices} host CPU devices ...", flush=True)
         print(check_table(check(result, context=args.check_context, dtype=args.check_dtype)))
     return 0
+
+
+def check_arguments(args) -> None:
+    """The arguments of demo / generate / convert / plan, before any model is loaded (finetune's are
+    checked by `training.run.finetune`, which the API shares); raises `ArgumentError` naming one."""
+    if args.command in ("demo", "generate"):
+        positive_int("--max-new-tokens", args.max_new_tokens)
+        non_negative_number("--temperature", args.temperature)
+        non_negative_int("--seed", args.seed)
+        for name in ("image", "video"):
+            if getattr(args, name) is not None:
+                existing_file(f"--{name}", getattr(args, name))
+        if args.model is not None and not os.path.isdir(args.model):
+            raise ArgumentError(f"--model: no such checkpoint directory: {args.model}")
+    elif args.command == "convert":
+        positive_int("--max-shard-bytes", args.max_shard_bytes)
+        if not os.path.isdir(args.source):
+            raise ArgumentError(f"source: no such checkpoint directory: {args.source}")
+        output_directory("out", args.out)
+    elif args.command == "plan":
+        positive_int("--batch", args.batch)
+        positive_int("--context", args.context)
+        positive_int("--max-devices", args.max_devices)
+        if args.devices is not None:
+            positive_int("--devices", args.devices)
+        if args.check_context is not None:
+            positive_int("--check-context", args.check_context)
 
 
 def main(argv=None) -> int:
@@ -330,7 +360,15 @@ def main(argv=None) -> int:
                       help="compile the check at this context instead (the plan is recomputed to match)")
     memo.add_argument("--check-dtype", choices=("float32", "bfloat16"), default=None,
                       help="compile the check at this compute dtype instead (the CPU multiplies bf16 in f32)")
+    tune.add_argument("--allow-change", default="",
+                      help="with --resume: comma-separated settings that may differ from the run's start "
+                           "(learning_rate, warmup_steps, steps); any other difference is refused")
     args = parser.parse_args(argv)
+    try:
+        check_arguments(args)
+    except ArgumentError as e:
+        print(f"qwen3vl-jax {args.command}: error: {e}", file=sys.stderr)
+        return 2
     if args.command == "finetune":
         return run_finetune(args)
     if args.command == "plan":

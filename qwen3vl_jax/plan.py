@@ -294,6 +294,9 @@ def plan(config_or_preset, mesh_spec="", batch: int = 1, context: int = 4096, tr
     for label, value in (("batch", batch), ("context", context), ("chunk_size", chunk_size)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{label} must be a positive integer, got {value!r}")
+    if context > config.text.max_position_embeddings:
+        raise ValueError(f"context {context} is past the model's context ({config.text.max_position_embeddings} "
+                         "positions, max_position_embeddings)")
     param_dtype = param_dtype or ("float32" if train else dtype)
     for label, value in (("dtype", dtype), ("param_dtype", param_dtype)):
         if value not in DTYPES:

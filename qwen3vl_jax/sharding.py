@@ -62,12 +62,12 @@ def parse_mesh(spec: str | Mapping[str, int] | None) -> dict[str, int]:
             name = name.strip()
             if not sep:
                 raise ShardingError(f"mesh {spec!r}: {part!r} is not AXIS=SIZE (axes: {', '.join(AXES)})")
+            if name in items:  # (checked before the assignment, which would replace the first value)
+                raise ShardingError(f"mesh {spec!r}: axis {name!r} is given twice")
             try:
                 items[name] = int(value)
             except ValueError:
                 raise ShardingError(f"mesh {spec!r}: the size of axis {name!r} is not an integer: {value!r}") from None
-            if name in list(items)[:-1]:
-                raise ShardingError(f"mesh {spec!r}: axis {name!r} is given twice")
     elif isinstance(spec, Mapping):
         items = dict(spec)
     else:

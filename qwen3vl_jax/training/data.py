@@ -85,11 +85,16 @@ def read_jsonl(path: str | os.PathLike) -> list[tuple[int, list[dict]]]:
     path = os.fspath(path)
     base = os.path.dirname(os.path.abspath(path))
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            where = f"{path}, line {number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 text (byte {raw[e.start:e.start + 1]!r} at column "
+                                 f"{e.start + 1}); JSONL files are UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{path}, line {number}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:

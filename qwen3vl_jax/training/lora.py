@@ -40,9 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..checks import fraction, positive_int, positive_number
 from ..convert import save_hf, save_orbax
 from ..model import register_adapter_loader
-from ..params import STACKS, canonical_params, fill_state, hf_to_ours_name, nest_paths, ours_to_hf_name
+from ..params import (STACKS, CheckpointError, canonical_params, fill_state, hf_to_ours_name, nest_paths,
+                      ours_to_hf_name, param_shapes)
 
 __all__ = ["LoRAConfig", "LoRALinear", "LoRAWeight", "LoRAKey", "LANGUAGE_TARGETS", "VISION_TARGETS",
            "add_lora", "lora_modules", "save_adapter", "load_adapter", "merged_params", "export_merged",
@@ -79,10 +81,9 @@ class LoRAConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
-        if self.rank < 1:
-            raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        positive_int("LoRA rank", self.rank)
+        positive_number("LoRA alpha", self.alpha)
+        fraction("LoRA dropout", self.dropout)
         if not self.target_modules:
             raise ValueError("LoRA needs at least one target module")
 
@@ -271,10 +272,15 @@ def load_adapter(model, directory: str | os.PathLike) -> list[str]:
     """
     from safetensors.numpy import load_file
 
-
     directory = os.fspath(directory)
-    with open(os.path.join(directory, ADAPTER_CONFIG)) as f:
-        peft = json.load(f)
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not os.path.isfile(os.path.join(directory, name)):
+            raise CheckpointError(f"{directory}: not a PEFT adapter directory ({name} is missing)")
+    try:
+        with open(os.path.join(directory, ADAPTER_CONFIG)) as f:
+            peft = json.load(f)
+    except ValueError as e:
+        raise CheckpointError(f"{directory}/{ADAPTER_CONFIG}: not readable JSON: {e}") from None
     if peft.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{directory}: not a LoRA adapter (peft_type {peft.get('peft_type')!r})")
     for key, off in (("use_dora", False), ("rank_pattern", {}), ("alpha_pattern", {}), ("bias", "none"),
@@ -292,7 +298,7 @@ def load_adapter(model, directory: str | os.PathLike) -> list[str]:
             raise ValueError(f"{directory}: adapter tensor {key} names no linear layer of the model")
         ours = found[0].removesuffix(".kernel")
         per_block[f"{ours}.{'lora_a' if factor == 'lora_A' else 'lora_b'}"] = value.T
-    rank = int(peft["r"])
+    rank = _check_adapter(directory, peft, per_block, param_shapes(model))
     config = LoRAConfig(rank=rank, alpha=float(peft.get("lora_alpha", rank)),
                         dropout=float(peft.get("lora_dropout", 0.0)),
                         target_modules=tuple(sorted({k.rsplit(".", 1)[0] for k in per_block})),
@@ -310,6 +316,42 @@ def load_adapter(model, directory: str | os.PathLike) -> list[str]:
     state = nnx.state(model, LoRAWeight)
     nnx.update(model, fill_state(state, per_block))
     return modules
+
+
+def _check_adapter(directory: str, peft: dict, per_block: dict[str, np.ndarray],
+                   base: dict[str, tuple[tuple[int, ...], np.dtype]]) -> int:
+    """The adapter checked whole before any weight is touched: its rank against the config, each
+    A against its B, their shapes against the base model's layers, every listed target present.
+    Every problem is listed in one `CheckpointError`; returns the rank."""
+    problems = []
+    rank = peft.get("r")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise CheckpointError(f"{directory}/{ADAPTER_CONFIG}: r must be a positive integer, got {rank!r}")
+    for block in sorted({k.rsplit(".", 1)[0] for k in per_block}):
+        a, b = per_block.get(f"{block}.lora_a"), per_block.get(f"{block}.lora_b")
+        if a is None or b is None:
+            problems.append(f"{block}: lora_{'A' if a is None else 'B'} is missing")
+            continue
+        if a.ndim != 2 or b.ndim != 2:
+            problems.append(f"{block}: factors must be matrices, got lora_A {a.T.shape} and lora_B {b.T.shape}")
+            continue
+        if a.shape[1] != rank or b.shape[0] != rank:
+            problems.append(f"{block}: lora_A has rank {a.shape[1]} and lora_B rank {b.shape[0]}, "
+                            f"adapter_config r is {rank}")
+        kernel = base.get(f"{block}.kernel")
+        if kernel is not None and (a.shape[0], b.shape[1]) != tuple(kernel[0]):
+            problems.append(f"{block}: the adapter maps {a.shape[0]} -> {b.shape[1]} features, the base "
+                            f"layer {kernel[0][0]} -> {kernel[0][1]} (an adapter for another model?)")
+    targets = peft.get("target_modules")
+    if isinstance(targets, (list, tuple)):
+        modules = {k.rsplit(".", 1)[0] for k in per_block}
+        missing = [t for t in targets if not any(_matches(ours_to_hf_name(m + ".kernel")[0].removesuffix(".weight"),
+                                                              t) for m in modules if f"{m}.kernel" in base)]
+        problems += [f"target_modules lists {t!r}, but no adapter tensor is for it" for t in missing]
+    if problems:
+        raise CheckpointError(f"{directory}: the adapter does not fit this model: {len(problems)} problem(s):\n  "
+                              + "\n  ".join(problems))
+    return rank
 
 
 def _strip_index(block: str) -> tuple[str, str]:

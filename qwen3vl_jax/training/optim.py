@@ -29,6 +29,8 @@ import dataclasses
 import jax
 import optax
 
+from ..checks import non_negative_int, positive_int, positive_number
+
 __all__ = ["PARTS", "OptimConfig", "build_optimizer", "learning_rate_schedule", "param_part",
            "param_labels", "decays", "param_path"]
 
@@ -72,6 +74,12 @@ class OptimConfig:
         for name in (*self.freeze, *self.part_learning_rates):
             if name not in PARTS:
                 raise ValueError(f"unknown model part {name!r}; the parts are {', '.join(PARTS)}")
+        positive_number("learning_rate", self.learning_rate)  # nan / inf / <= 0 would train nothing or ascend
+        for part, rate in self.part_learning_rates.items():
+            positive_number(f"part_learning_rates[{part!r}]", rate)
+        non_negative_int("warmup_steps", self.warmup_steps)
+        positive_int("total_steps", self.total_steps)
+        positive_int("grad_accum_steps", self.grad_accum_steps)
         if not 0 <= self.warmup_steps < self.total_steps:
             raise ValueError(f"need 0 <= warmup_steps < total_steps, got warmup_steps={self.warmup_steps}, "
                              f"total_steps={self.total_steps}")
