@@ -41,15 +41,16 @@ def default_cache_dir() -> str:
     return os.environ.get("QWEN3VL_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "qwen3vl-jax"))
 
 
-def ensure_tiny_checkpoint(cache_dir: str | None = None) -> str:
-    """The built-in tiny default as an Orbax directory, synthesized and converted on first use."""
+def ensure_tiny_checkpoint(cache_dir: str | None = None, *, rebuild: bool = False) -> str:
+    """The built-in tiny default as an Orbax directory, synthesized and converted on first use (and
+    again with `rebuild`, for a damaged cache)."""
     from .convert import atomic_directory, copy_side_files
     from .model import Qwen3VL
     from .testing import make_tiny_checkpoint
 
     root = cache_dir or default_cache_dir()
     path = os.path.join(root, TINY_NAME)
-    if not os.path.isdir(os.path.join(path, "orbax")):
+    if rebuild or not os.path.isdir(os.path.join(path, "orbax")):
         hf_dir = make_tiny_checkpoint(os.path.join(root, TINY_NAME + "-hf"))
         with atomic_directory(path, overwrite=True) as tmp:  # an incomplete earlier one is replaced
             Qwen3VL.from_pretrained(hf_dir).save_orbax(tmp)
@@ -87,8 +88,16 @@ def _load(args):
     path = args.model or ensure_tiny_checkpoint()
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     start = time.perf_counter()
-    model = Qwen3VL.from_pretrained(path, dtype=dtype)
-    return path, model, Qwen3VLProcessor.from_pretrained(path), time.perf_counter() - start
+    try:
+        model, processor = Qwen3VL.from_pretrained(path, dtype=dtype), Qwen3VLProcessor.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 -- a given --model's error is the user's to see; the cache is ours
+        if args.model:
+            raise
+        print(f"the cached built-in tiny default at {path} is damaged ({type(e).__name__}: {str(e)[:200]}); "
+              "rebuilding it", flush=True)
+        path = ensure_tiny_checkpoint(rebuild=True)
+        model, processor = Qwen3VL.from_pretrained(path, dtype=dtype), Qwen3VLProcessor.from_pretrained(path)
+    return path, model, processor, time.perf_counter() - start
 
 
 def _request(processor, prompt: str, image=None, video=None):

@@ -236,3 +236,16 @@ def test_a_jsonl_that_is_not_utf8_names_the_line(tmp_path):
     path.write_bytes((json.dumps(row) + "\n").encode() + json.dumps(row, ensure_ascii=False).encode("latin-1"))
     with pytest.raises(ValueError, match=r"line 2: not UTF-8 text \(byte b'\\xe9'"):
         read_jsonl(path)
+
+
+def test_a_damaged_cached_tiny_default_is_named_and_rebuilt(tmp_path, monkeypatch, capsys):
+    import argparse
+
+    monkeypatch.setenv("QWEN3VL_JAX_CACHE", str(tmp_path))
+    args = argparse.Namespace(model=None, dtype="float32")
+    path = cli.ensure_tiny_checkpoint()
+    (tmp_path / cli.TINY_NAME / "tokenizer.json").write_text("{ not json")  # damaged
+    loaded, model, processor, _ = cli._load(args)
+    assert loaded == path and "is damaged" in capsys.readouterr().out
+    assert processor.decode(processor("hello")["input_ids"][0]) == "hello"
+    assert json.loads((tmp_path / cli.TINY_NAME / "tokenizer.json").read_text())  # rebuilt whole
