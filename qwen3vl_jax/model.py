@@ -163,9 +163,11 @@ class Qwen3VL(nnx.Module):
         `dtype`), so the host holds one tensor at a time; an Orbax checkpoint is restored against
         the abstract model, so shapes and dtypes are checked. Either
         loads into either parameter layout (`scan_layers`). `adapter`: a PEFT LoRA adapter directory
-        (`adapter_config.json` + `adapter_model.safetensors`) added on top (`training.lora`).
+        (`adapter_config.json` + `adapter_model.safetensors`) added on top by the loader
+        `training.lora` registers (`register_adapter_loader`).
 
-        `mesh` (`sharding.make_mesh`): load sharded by the converter's partition rules; every process
+        `mesh` (`sharding.make_mesh`, or its spec: "fsdp=2,tensor=4"): load sharded by the parameter
+        tree's partition rules (`params.RULES`); every process
         reads only the slices its devices hold, straight into device shards (HF: memory-mapped
         safetensors slices; Orbax: a sharded restore). `vision`: "data" (the tower replicated, the
         default) or "tensor" (split by its rules). See `qwen3vl_jax.sharding`.
