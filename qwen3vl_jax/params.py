@@ -289,37 +289,31 @@ def stacked_stacks(model_or_state) -> set[str]:
     return {s for s in STACKS if any(p.startswith(s + ".") and not p[len(s) + 1].isdigit() for p in paths)}
 
 
-def canonical_params(model_or_state) -> dict[str, object]:
-    """`{per-block dotted path: array}` whatever the layout: stacked parameters are sliced per block
-    (`language_model.layers.3.self_attn.q_proj.kernel`). The names the converter and Orbax use."""
+def _per_block(model_or_state):
+    """`(canonical path, leaf, block index or None)` for every parameter: a stacked leaf once per block."""
     state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
     stacked = stacked_stacks(model_or_state)
-    out = {}
     for path, leaf in flat_paths(state):
         prefix = stacked_prefix(path, stacked)
         if prefix is None:
-            out[path] = leaf
+            yield path, leaf, None
             continue
         rest = path[len(prefix) + 1:]
         for i in range(leaf.shape[0]):
-            out[f"{prefix}.{i}.{rest}"] = leaf[i] if hasattr(leaf, "__getitem__") else leaf
-    return out
+            yield f"{prefix}.{i}.{rest}", leaf, i
+
+
+def canonical_params(model_or_state) -> dict[str, object]:
+    """`{per-block dotted path: array}` whatever the layout: stacked parameters are sliced per block
+    (`language_model.layers.3.self_attn.q_proj.kernel`). The names the converter and Orbax use."""
+    return {path: leaf if i is None or not hasattr(leaf, "__getitem__") else leaf[i]
+            for path, leaf, i in _per_block(model_or_state)}
 
 
 def param_shapes(model_or_state) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """`{canonical path: (shape, dtype)}` for every parameter (abstract or concrete; either layout)."""
-    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
-    stacked = stacked_stacks(model_or_state)
-    out = {}
-    for path, leaf in flat_paths(state):
-        prefix = stacked_prefix(path, stacked)
-        if prefix is None:
-            out[path] = (tuple(leaf.shape), np.dtype(leaf.dtype))
-            continue
-        rest = path[len(prefix) + 1:]
-        for i in range(leaf.shape[0]):
-            out[f"{prefix}.{i}.{rest}"] = (tuple(leaf.shape[1:]), np.dtype(leaf.dtype))
-    return out
+    return {path: (tuple(leaf.shape if i is None else leaf.shape[1:]), np.dtype(leaf.dtype))
+            for path, leaf, i in _per_block(model_or_state)}
 
 
 def count_params(model_or_state) -> int:
