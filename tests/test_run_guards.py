@@ -249,3 +249,16 @@ def test_a_damaged_cached_tiny_default_is_named_and_rebuilt(tmp_path, monkeypatc
     assert loaded == path and "is damaged" in capsys.readouterr().out
     assert processor.decode(processor("hello")["input_ids"][0]) == "hello"
     assert json.loads((tmp_path / cli.TINY_NAME / "tokenizer.json").read_text())  # rebuilt whole
+
+
+def test_the_trainer_refuses_adapters_that_are_all_frozen(jax_model):
+    import copy
+
+    from qwen3vl_jax.training import Trainer
+
+    model = copy.deepcopy(jax_model)
+    lora_lib.add_lora(model, LoRAConfig(rank=2, alpha=4.0))  # language-model adapters only
+    with pytest.raises(ArgumentError, match=r"nothing would train: every trainable variable is in a frozen "
+                                            r"part \(language; freeze=\['language'\]\)"):
+        Trainer(model, OptimConfig(freeze=("language",)), trainable=lora_lib.LoRAWeight)
+    Trainer(model, OptimConfig(freeze=("vision",)), trainable=lora_lib.LoRAWeight)  # this one trains

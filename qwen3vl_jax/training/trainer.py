@@ -46,11 +46,12 @@ import numpy as np
 import optax
 from flax import nnx
 
+from ..checks import ArgumentError
 from ..model import MODEL_INPUTS
 from ..shapes import quarter_octave
 from ..sharding import use_mesh
 from .loss import chunked_cross_entropy, shift_labels
-from .optim import OptimConfig, build_optimizer, learning_rate_schedule, param_part
+from .optim import OptimConfig, build_optimizer, learning_rate_schedule, param_part, param_path
 
 __all__ = ["Trainer", "trainable_filter", "pad_vision", "COMPILE_COUNTS"]
 
@@ -124,7 +125,11 @@ class Trainer:
         self._pure = nnx.to_pure_dict(params)
         self._keys = nnx.to_pure_dict(keys)
         if not jax.tree.leaves(self._pure):
-            raise ValueError("no trainable parameters: the filter selects nothing")
+            raise ArgumentError("no trainable parameters: the filter selects nothing")
+        parts = {param_part(param_path(path)) for path, _ in jax.tree_util.tree_flatten_with_path(self._pure)[0]}
+        if parts <= set(config.freeze):  # e.g. LoRA adapters only in frozen parts: AdamW would move nothing
+            raise ArgumentError(f"nothing would train: every trainable variable is in a frozen part "
+                                f"({', '.join(sorted(parts))}; freeze={list(config.freeze)})")
         self._targets = _variables_in_order(model, self.trainable, self._pure)
         self.tx = build_optimizer(dataclasses.replace(config, grad_accum_steps=1))
         self.opt_state = self.tx.init(self._pure)
