@@ -31,8 +31,7 @@ import time
 
 import numpy as np
 
-from .checks import (ArgumentError, existing_file, non_negative_int, non_negative_number, output_directory,
-                     positive_int)
+from .checks import ArgumentError, existing_file, non_negative_int, non_negative_number, positive_int
 
 TINY_NAME = "tiny-v1"
 
@@ -271,11 +270,8 @@ def check_arguments(args) -> None:
                 existing_file(f"--{name}", getattr(args, name))
         if args.model is not None and not os.path.isdir(args.model):
             raise ArgumentError(f"--model: no such checkpoint directory: {args.model}")
-    elif args.command == "convert":
+    elif args.command == "convert":  # (its paths are checked by `convert.convert_checkpoint`, before reading)
         positive_int("--max-shard-bytes", args.max_shard_bytes)
-        if not os.path.isdir(args.source):
-            raise ArgumentError(f"source: no such checkpoint directory: {args.source}")
-        output_directory("out", args.out)
     elif args.command == "plan":
         positive_int("--batch", args.batch)
         positive_int("--context", args.context)

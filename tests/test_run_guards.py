@@ -98,7 +98,7 @@ def test_the_api_refuses_the_same_things_with_the_same_words():
     (["plan", "--preset", "2b", "--devices", "0"], "--devices must be a positive integer"),
     (["plan", "--preset", "2b", "--context", "10000000"], "past the model's context"),
     (["plan", "--preset", "2b", "--mesh", "data=2,data=4"], "axis 'data' is given twice"),
-    (["convert", "/no/such/dir", "/tmp/x"], "source: no such checkpoint directory"),
+    (["convert", "/no/such/dir", "/tmp/x", "--max-shard-bytes", "0"], "--max-shard-bytes must be a positive integer"),
 ])
 def test_cli_arguments_are_named(capsys, argv, words):
     assert cli.main(argv) == 2
