@@ -262,3 +262,24 @@ def test_the_trainer_refuses_adapters_that_are_all_frozen(jax_model):
                                             r"part \(language; freeze=\['language'\]\)"):
         Trainer(model, OptimConfig(freeze=("language",)), trainable=lora_lib.LoRAWeight)
     Trainer(model, OptimConfig(freeze=("vision",)), trainable=lora_lib.LoRAWeight)  # this one trains
+
+
+def test_killed_between_a_metrics_line_and_its_checkpoint(tiny_dir, tmp_path):
+    """The metrics line of update 3 is on disk, its checkpoint not (what a kill between the two
+    leaves): the resume drops that line, recomputes update 3, and the file equals an uninterrupted run's."""
+    import shutil
+
+    data = text_rows(tmp_path / "d.jsonl", 4)
+    args = _args(data, tmp_path / "whole", model=str(tiny_dir), steps=3, keep=3)
+    finetune(**args)
+    finetune(**{**args, "out": str(tmp_path / "cut")})
+    cut = tmp_path / "cut"
+    shutil.rmtree(cut / "checkpoints" / "3")
+    assert len((cut / "metrics.jsonl").read_text().splitlines()) == 3
+    finetune(**{**args, "out": str(cut), "resume": True})
+    whole = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    resumed = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    for ours, ref in zip(resumed, whole):
+        for key in ours.keys() - {"tokens_per_second", "seconds"}:
+            assert ours[key] == pytest.approx(ref[key], rel=1e-6, abs=0), (ours["step"], key)
