@@ -40,7 +40,7 @@ __all__ = ["PALETTE", "SHAPES", "POSITIONS", "DIRECTIONS", "COUNTS", "WHEN_HIDDE
            "hidden_gaps",
            "to_task_item", "write_jsonl"]
 
-# Named palette: all chromatic (max channel - min channel >= 110), pairwise RGB distance >= 75.
+# Named palette: all chromatic (max channel - min channel >= 150), pairwise RGB distance >= 75.
 PALETTE: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
     "green": (30, 180, 40),
