@@ -319,7 +319,7 @@ def main(argv=None) -> int:
     tune.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x rank")
     tune.add_argument("--lora-dropout", type=float, default=0.0)
     tune.add_argument("--lora-vision", action="store_true", help="adapters on the vision blocks too")
-    tune.add_argument("--freeze", default="", help="comma-separated parts: vision, merger, language")
+    tune.add_argument("--freeze", default="", help="comma-separated parts: vision, merger, language, router (MoE)")
     tune.add_argument("--learning-rate", type=float, default=1e-4)
     tune.add_argument("--warmup-steps", type=int, default=0)
     tune.add_argument("--steps", type=int, default=100)

@@ -1,7 +1,8 @@
 """The Qwen3 decoder of Qwen3-VL in Flax NNX, with interleaved multimodal rotary (mRoPE).
 
 Each layer: RMSNorm -> GQA attention (q/k RMSNorm over head_dim before rotary) -> residual ->
-RMSNorm -> SwiGLU MLP -> residual. Rotary angles come from three position streams (t, h, w); of
+RMSNorm -> SwiGLU MLP (or, in the MoE models' sparse layers, the routed experts of `moe.MoEBlock`)
+-> residual. Rotary angles come from three position streams (t, h, w); of
 the head_dim/2 frequency channels, h takes channels 1, 4, 7, ... and w takes 2, 5, 8, ...
 (`mrope_section[1]` and `[2]` of them), t takes the rest (HF's interleaved layout).
 
@@ -29,6 +30,7 @@ from pallas_kernels.attention.mask import AttentionMask
 
 from .config import TextConfig
 from .layers import Linear, RMSNorm, apply_rotary, make_stack, run_stack
+from .moe import MoEBlock
 from .sharding import constrain
 
 __all__ = ["TextModel", "TextOutput", "KVCache", "DecoderLayer", "mrope_channel_axes", "mrope_cos_sin"]
@@ -85,14 +87,18 @@ jax.tree_util.register_dataclass(KVCache, data_fields=["keys", "values"], meta_f
 @dataclasses.dataclass(frozen=True)
 class TextOutput:
     """hidden: final-norm `[B, L, E]`; cache: the updated `KVCache` (or None); hidden_states:
-    `[N, B, L, E]` each layer's output before its deepstack addition (HF's record), when asked."""
+    `[N, B, L, E]` each layer's output before its deepstack addition (HF's record), when asked;
+    router_logits: `[sparse layers, B*L, experts]` the MoE routers' logits (HF's
+    `output_router_logits`), when asked."""
 
     hidden: jax.Array
     cache: KVCache | None = None
     hidden_states: jax.Array | None = None
+    router_logits: jax.Array | None = None
 
 
-jax.tree_util.register_dataclass(TextOutput, data_fields=["hidden", "cache", "hidden_states"], meta_fields=[])
+jax.tree_util.register_dataclass(TextOutput, data_fields=["hidden", "cache", "hidden_states", "router_logits"],
+                                 meta_fields=[])
 
 
 class TextAttention(nnx.Module):
@@ -142,19 +148,30 @@ class TextMLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: TextConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    """One decoder layer; `sparse`: routed experts (`moe.MoEBlock`) in place of the dense MLP."""
+
+    def __init__(self, config: TextConfig, *, sparse: bool = False, moe_implementation: str = "auto", dtype,
+                 param_dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.self_attn = TextAttention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
                                                 param_dtype=param_dtype)
-        self.mlp = TextMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.sparse = sparse
+        self.moe_implementation = moe_implementation
+        block = MoEBlock if sparse else TextMLP
+        self.mlp = block(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, mask: AttentionMask, cache=None, index=0, *, implementation: str = "xla"):
-        """`(x, cache)`: the layer's output and its updated `(keys, values)` (None without a cache)."""
+        """`(x, cache, router logits)`: the layer's output, its updated `(keys, values)` (None without
+        a cache) and, in a sparse layer, its router's logits `[B*L, experts]` (else None)."""
         attended, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, index,
                                          implementation=implementation)
         x = x + attended
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        normed = self.post_attention_layernorm(x)
+        if not self.sparse:
+            return x + self.mlp(normed), cache, None
+        out, router_logits = self.mlp(normed, implementation=self.moe_implementation)
+        return x + out, cache, router_logits
 
 
 def _level(deepstack, index):
@@ -173,32 +190,48 @@ class TextModel(nnx.Module):
 
     `deepstack` (`[K, B, L, E]`, zero away from visual positions) is added to the hidden states
     after decoder layer k for k < K. `scan_layers` stacks the layers' parameters and runs them under
-    `lax.scan`; `remat` recomputes each layer in the backward pass.
+    `lax.scan` (all layers must then be of one kind: all dense or all sparse); `remat` recomputes
+    each layer in the backward pass. `moe_implementation`: the experts' grouped matmul
+    (`moe.MOE_IMPLEMENTATIONS`).
     """
 
     def __init__(self, config: TextConfig, *, dtype=jnp.float32, param_dtype=None, scan_layers: bool = False,
-                 remat: bool = False, rngs: nnx.Rngs):
+                 remat: bool = False, moe_implementation: str = "auto", rngs: nnx.Rngs):
         param_dtype = param_dtype or dtype
         self.config = config
         self.scan_layers = scan_layers
         self.remat = remat
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                                       param_dtype=param_dtype, rngs=rngs)
-        self.layers = make_stack(
-            lambda r: DecoderLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=r),
-            config.num_hidden_layers, scan_layers, rngs)
+        kw = dict(moe_implementation=moe_implementation, dtype=dtype, param_dtype=param_dtype)
+        if scan_layers:
+            if not config.uniform_layers:
+                raise ValueError(
+                    f"scan_layers=True needs decoder layers of one kind, but layers {list(config.sparse_layers)} "
+                    f"of {config.num_hidden_layers} are sparse (mlp_only_layers={list(config.mlp_only_layers)}, "
+                    f"decoder_sparse_step={config.decoder_sparse_step}); use scan_layers=False")
+            self.layers = make_stack(lambda r: DecoderLayer(config, sparse=config.is_moe, rngs=r, **kw),
+                                     config.num_hidden_layers, True, rngs)
+        else:
+            self.layers = nnx.List([DecoderLayer(config, sparse=config.is_sparse_layer(i), rngs=rngs, **kw)
+                                    for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
 
     def __call__(self, embeds, positions, mask: AttentionMask, deepstack=None, *, cache: KVCache | None = None,
-                 cache_index=0, implementation: str = "xla", return_hidden_states: bool = False) -> TextOutput:
+                 cache_index=0, implementation: str = "xla", return_hidden_states: bool = False,
+                 return_router_logits: bool = False) -> TextOutput:
         """The decoder over `embeds [B, L, E]` at mRoPE `positions [3, B, L]`.
 
         Args:
           mask: the `AttentionMask` of the L query rows (over this call's keys, or the cache's slots).
           deepstack: `[K, B, L, E]` additions after layers 0..K-1, or None.
           cache: a `KVCache` to write at slots `[cache_index, cache_index + L)` and attend over.
+          return_router_logits: collect the sparse layers' router logits (for the aux loss).
         """
         cos, sin = mrope_cos_sin(positions, self.config)
+        config = self.config
+        return_router_logits = return_router_logits and config.is_moe
+        b, length = embeds.shape[:2]
 
         def step(layer, carry, index):
             x, keys, values = carry
@@ -206,18 +239,24 @@ class TextModel(nnx.Module):
             if keys is not None:
                 layer_cache = (lax.dynamic_index_in_dim(keys, index, keepdims=False),
                                lax.dynamic_index_in_dim(values, index, keepdims=False))
-            x, layer_cache = layer(x, cos, sin, mask, layer_cache, cache_index, implementation=implementation)
+            x, layer_cache, router_logits = layer(x, cos, sin, mask, layer_cache, cache_index,
+                                                  implementation=implementation)
             x = constrain(x, "batch", None, None)  # the block boundary: batch over data x fsdp
             if keys is not None:
                 keys = lax.dynamic_update_index_in_dim(keys, layer_cache[0], index, 0)
                 values = lax.dynamic_update_index_in_dim(values, layer_cache[1], index, 0)
-            out = x
+            if return_router_logits and router_logits is None:  # a dense layer: dropped below
+                router_logits = jnp.zeros((b * length, config.num_experts), x.dtype)
+            out = (x if return_hidden_states else None, router_logits if return_router_logits else None)
             level = _level(deepstack, index)
             if level is not None:
                 x = x + level.astype(x.dtype)
             return (x, keys, values), out
 
         carry = (embeds, None, None) if cache is None else (embeds, cache.keys, cache.values)
-        (x, keys, values), hidden = run_stack(self.layers, step, carry, scan=self.scan_layers, remat=self.remat,
-                                              collect=return_hidden_states)
-        return TextOutput(self.norm(x), None if cache is None else KVCache(keys, values), hidden)
+        (x, keys, values), collected = run_stack(self.layers, step, carry, scan=self.scan_layers, remat=self.remat,
+                                                 collect=return_hidden_states or return_router_logits)
+        hidden, router_logits = collected if collected is not None else (None, None)
+        if router_logits is not None and len(config.sparse_layers) < config.num_hidden_layers:
+            router_logits = router_logits[np.asarray(config.sparse_layers)]
+        return TextOutput(self.norm(x), None if cache is None else KVCache(keys, values), hidden, router_logits)

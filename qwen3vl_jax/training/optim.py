@@ -38,6 +38,7 @@ PARTS: dict[str, tuple[str, ...]] = {
     "vision": ("visual.patch_embed", "visual.pos_embed", "visual.blocks"),
     "merger": ("visual.merger", "visual.deepstack_merger_list"),
     "language": ("language_model", "lm_head"),
+    "router": (),  # the MoE routers (`language_model.layers.N.mlp.gate`), matched before `language`
 }
 
 FROZEN = "frozen"
@@ -110,7 +111,9 @@ def param_path(key_path) -> str:
 
 
 def param_part(path: str) -> str:
-    """The part (`vision`, `merger`, `language`) a dotted parameter path belongs to."""
+    """The part (`vision`, `merger`, `language`, `router`) a dotted parameter path belongs to."""
+    if path.startswith("language_model.") and ".mlp.gate." in path:
+        return "router"
     for part, prefixes in PARTS.items():
         if any(path == p or path.startswith(p + ".") for p in prefixes):
             return part

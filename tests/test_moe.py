@@ -1,0 +1,282 @@
+"""The Mixture-of-Experts models (Qwen3-VL-30B-A3B / 235B-A22B) against HF's
+`Qwen3VLMoeForConditionalGeneration` on tiny MoE checkpoints (same weights, f32).
+
+Two tiny configs: "mixed" (6 experts, top-2, layer 1 dense through `mlp_only_layers`, experts
+stored in transformers 5's module layout `[E, 2I, H]`) and "sparse" (8 experts, top-3, every layer
+sparse, the released layout `[E, H, 2I]`, loaded with stacked layers). Prompts: an image, a video
+and a left-padded text row in one batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close, hf_processor_batch, user_prompt
+from flax import nnx
+
+from qwen3vl_jax import Qwen3VL
+from qwen3vl_jax.config import ConfigError, Qwen3VLConfig, preset
+from qwen3vl_jax.convert import convert_checkpoint, iter_hf_tensors
+from qwen3vl_jax.model import MODEL_INPUTS, canonical_params, expected_params
+from qwen3vl_jax.moe import Routing, expert_ffn, load_balancing_loss, route, tile_rows
+from qwen3vl_jax.params import ours_to_hf_name
+from qwen3vl_jax.testing import make_tiny_checkpoint
+from qwen3vl_jax.training.loss import causal_lm_loss
+
+CONFIGS = {
+    "mixed": (dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=(1,)),
+              "module", dict(scan_layers=False)),
+    "sparse": (dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=40), "released",
+               dict(scan_layers=True)),
+}
+CASE = dict(
+    prompts=[user_prompt("image", "video", "What is shown?"), user_prompt("Short.")],
+    images=[(64, 96)],
+    videos=[(4, 64, 64, 2.0)],
+)
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {name: make_tiny_checkpoint(root / name, seed=7, text=text, expert_layout=layout)
+            for name, (text, layout, _) in CONFIGS.items()}
+
+
+@pytest.fixture(scope="module")
+def hf_moe(moe_dirs):
+    import torch
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    return {name: Qwen3VLMoeForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+            for name, d in moe_dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def batch(hf_processor):
+    return {k: v for k, v in hf_processor_batch(hf_processor, CASE).items() if k in MODEL_INPUTS}
+
+
+def _np(batch):
+    return {k: v.numpy() for k, v in batch.items()}
+
+
+# ---------------------------------------------------------------------- the block itself
+
+
+def _dense_reference(x, experts, weights, gate_up, down):
+    """Each token through each of its chosen experts, one at a time (numpy float64)."""
+    x, gate_up, down = (np.asarray(a, np.float64) for a in (x, gate_up, down))
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for e, w in zip(np.asarray(experts[t]), np.asarray(weights[t], np.float64)):
+            g, u = np.split(x[t] @ gate_up[e], 2)
+            out[t] += w * ((g / (1 + np.exp(-g)) * u) @ down[e])
+    return out
+
+
+@pytest.mark.parametrize("tokens", [3, 200])  # one row per tile (decoding), and tiles of many rows
+@pytest.mark.parametrize("implementation", ["tiled", "ragged"])
+def test_grouped_matmul_equals_per_token_reference(tokens, implementation):
+    rng = np.random.default_rng(0)
+    e, h, i, k = 5, 16, 12, 2
+    x = jnp.asarray(rng.standard_normal((tokens, h)), jnp.float32)
+    gate_up = jnp.asarray(rng.standard_normal((e, h, 2 * i)) / 4, jnp.float32)
+    down = jnp.asarray(rng.standard_normal((e, i, h)) / 4, jnp.float32)
+    logits = jnp.asarray(rng.standard_normal((tokens, e)), jnp.float32)
+    logits = logits.at[:, 4].add(-9.0)  # expert 4 is (almost) never chosen: an empty group
+    routing = route(logits, k)
+    probs = np.exp(np.asarray(logits, np.float64))
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.sort(probs, -1)[:, ::-1][:, :k]
+    np.testing.assert_allclose(np.asarray(routing.weights), top / top.sum(-1, keepdims=True), rtol=1e-6)
+    ours = expert_ffn(x, routing, gate_up, down, implementation=implementation)
+    ref = _dense_reference(x, routing.experts, routing.weights, gate_up, down)
+    np.testing.assert_allclose(np.asarray(ours), ref, rtol=1e-5, atol=1e-5)
+    # Expert parallelism: each of two "devices" holds part of the experts; their parts sum to the whole.
+    halves = [expert_ffn(x, routing, gate_up[a:b], down[a:b], implementation=implementation, local=(a, b - a))
+              for a, b in ((0, 2), (2, 5))]
+    np.testing.assert_allclose(np.asarray(halves[0] + halves[1]), ref, rtol=1e-5, atol=1e-5)
+    assert tile_rows(tokens * k, e) == (1 if tokens * k < 4 * e else 32)
+
+
+def test_unknown_implementation_is_refused():
+    routing = Routing(jnp.zeros((1, 2)), jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1)))
+    with pytest.raises(ValueError, match="moe implementation"):
+        expert_ffn(jnp.zeros((1, 4)), routing, jnp.zeros((2, 4, 6)), jnp.zeros((2, 3, 4)), implementation="dense")
+
+
+def test_load_balancing_loss_equals_hf():
+    import torch
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func
+
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((3, 10, 6)).astype(np.float32)
+    mask = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    for m in (None, mask):
+        ref = load_balancing_loss_func(tuple(torch.from_numpy(x) for x in logits), 6, 2,
+                                       None if m is None else torch.from_numpy(m))
+        ours = load_balancing_loss(jnp.asarray(logits), 2, None if m is None else m.reshape(-1))
+        np.testing.assert_allclose(float(ours), float(ref), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------- config
+
+
+def test_presets_are_the_released_moe_configs():
+    """30B-A3B and 235B-A22B as their config.json give them (hidden, layers, heads, experts, widths)."""
+    a3b, a22b = preset("30b-a3b").text, preset("235b-a22b").text
+    assert (a3b.hidden_size, a3b.num_hidden_layers, a3b.num_attention_heads, a3b.num_key_value_heads,
+            a3b.head_dim, a3b.num_experts, a3b.num_experts_per_tok, a3b.moe_intermediate_size,
+            a3b.intermediate_size) == (2048, 48, 32, 4, 128, 128, 8, 768, 6144)
+    assert (a22b.hidden_size, a22b.num_hidden_layers, a22b.num_attention_heads, a22b.num_key_value_heads,
+            a22b.num_experts, a22b.num_experts_per_tok, a22b.moe_intermediate_size) == (4096, 94, 64, 4, 128, 8, 1536)
+    for name in ("30b-a3b", "235b-a22b"):
+        config = preset(name)
+        assert config.text.sparse_layers == tuple(range(config.text.num_hidden_layers))
+        assert config.vision.depth == 27 and config.vision.deepstack_visual_indexes == (8, 16, 24)
+        # HF's own config class reads our dict and gives it back
+        assert Qwen3VLConfig.from_hf_config(config.to_hf_config().to_dict()) == config
+
+
+def test_released_style_config_json_is_read():
+    raw = preset("30b-a3b").to_hf_dict()
+    text = raw["text_config"]
+    text["rope_theta"] = text["rope_parameters"].pop("rope_theta")  # the released (legacy) rope form
+    text["rope_scaling"] = text.pop("rope_parameters")
+    text.update(norm_topk_prob=True, output_router_logits=False, mlp_only_layers=[])
+    config = Qwen3VLConfig.from_hf_config(raw)
+    assert config == preset("30b-a3b")
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(model_type="qwen3_vl"), "belongs to a 'qwen3_vl_moe' config"),
+    (dict(norm_topk_prob=False), "norm_topk_prob"),
+    (dict(num_experts_per_tok=200), "num_experts_per_tok"),
+    (dict(mlp_only_layers=[60]), "mlp_only_layers"),
+    (dict(moe_intermediate_size=0), "moe_intermediate_size"),
+])
+def test_bad_moe_configs_are_refused(change, message):
+    raw = preset("30b-a3b").to_hf_dict()
+    if "model_type" in change:
+        raw["model_type"] = change.pop("model_type")
+    raw["text_config"].update(change)
+    with pytest.raises(ConfigError, match=message):
+        Qwen3VLConfig.from_hf_config(raw)
+
+
+def test_stacking_mixed_layers_is_refused(moe_dirs):
+    config = Qwen3VLConfig.from_hf_config(moe_dirs["mixed"])
+    with pytest.raises(ValueError, match="scan_layers=True needs decoder layers of one kind"):
+        Qwen3VL.abstract(config, scan_layers=True)
+    assert not Qwen3VL.abstract(config.replace(text={"num_hidden_layers": 16, "mlp_only_layers": (1,)}),
+                                scan_layers=None).language_model.scan_layers
+
+
+# ---------------------------------------------------------------------- parity with HF
+
+
+@pytest.mark.needs_torch
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_equal_hf(name, moe_dirs, hf_moe, batch):
+    import torch
+
+    with torch.no_grad():
+        out = hf_moe[name](**batch, output_router_logits=True)
+    real = batch["attention_mask"].numpy().astype(bool)
+    implementations = [("xla", "tiled"), ("xla", "ragged")] + ([("pallas", "auto")] if name == "mixed" else [])
+    for attention, moe in implementations:
+        model = Qwen3VL.from_pretrained(moe_dirs[name], attention_implementation=attention,
+                                        moe_implementation=moe, **CONFIGS[name][2])
+        logits, router = model(**_np(batch), return_router_logits=True)
+        assert_close(np.asarray(logits)[real], out.logits.numpy()[real], "f32_logits", f"{name} {attention}/{moe}")
+        sparse = model.config.text.sparse_layers
+        assert router.shape[0] == len(sparse) == len(out.router_logits)
+        rows = real.reshape(-1)
+        for ours, ref in zip(np.asarray(router), out.router_logits):
+            assert_close(ours[rows], ref.numpy()[rows], "f32_logits", f"{name} router logits")
+
+
+@pytest.mark.needs_torch
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_greedy_generate_equals_hf(name, moe_dirs, hf_moe, batch):
+    import torch
+
+    model = Qwen3VL.from_pretrained(moe_dirs[name], **CONFIGS[name][2])
+    with torch.no_grad():
+        ref = hf_moe[name].generate(**batch, do_sample=False, max_new_tokens=10, eos_token_id=None,
+                                    pad_token_id=0).numpy()
+    ours = np.asarray(model.generate(**_np(batch), max_new_tokens=10, eos_token_id=[]))
+    np.testing.assert_array_equal(ours, ref)
+
+
+@pytest.mark.needs_torch
+def test_loss_and_gradients_with_aux_loss_equal_torch(moe_dirs, hf_moe, batch):
+    """HF's loss with `output_router_logits=True` (LM loss + coef x load balancing) and the gradient
+    of every parameter, router included, against torch autograd."""
+    import torch
+
+    hf = hf_moe["mixed"]
+    labels = batch["input_ids"].clone()
+    labels[batch["attention_mask"] == 0] = -100
+    labels[:, :5] = -100
+    hf.zero_grad(set_to_none=True)
+    out = hf(**batch, labels=labels, output_router_logits=True)
+    out.loss.backward()
+    ref_grads = {n: p.grad.numpy().copy() for n, p in hf.named_parameters() if p.grad is not None}
+    hf.zero_grad(set_to_none=True)
+
+    model = Qwen3VL.from_pretrained(moe_dirs["mixed"])
+    inputs = {**_np(batch), "labels": labels.numpy()}
+    loss, grads = nnx.value_and_grad(lambda m: causal_lm_loss(m, inputs, router_aux_loss=True))(model)
+    np.testing.assert_allclose(float(loss), float(out.loss.detach()), rtol=1e-5)
+    assert abs(float(out.aux_loss)) > 0
+    ours = canonical_params(grads)
+    assert len(ours) == len(ref_grads)
+    for path, value in ours.items():
+        name, transform = ours_to_hf_name(path, "module")
+        ref = ref_grads[name]
+        mine = transform.to_hf(np.asarray(value), model.config)
+        scale = float(np.abs(ref).max())
+        assert float(np.abs(mine - ref).max()) <= 2e-4 * scale + 1e-9, path
+    router = ours["language_model.layers.0.mlp.gate.kernel"]
+    assert float(np.abs(router).max()) > 0
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+def _tensors(directory):
+    return {name: (array.dtype, array.tobytes()) for _, name, array in iter_hf_tensors(directory)}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_convert_writes_back_the_layout_it_read(name, moe_dirs, tmp_path):
+    """HF -> HF and HF -> Orbax -> HF give back the same bytes, in the expert layout of the source."""
+    source = moe_dirs[name]
+    convert_checkpoint(source, tmp_path / "hf", expected_params, to="hf", dtype="float32")
+    convert_checkpoint(source, tmp_path / "orbax", expected_params, to="orbax", dtype="float32")
+    convert_checkpoint(tmp_path / "orbax", tmp_path / "back", expected_params, to="hf", dtype="float32")
+    original = _tensors(source)
+    assert _tensors(tmp_path / "hf") == original
+    assert _tensors(tmp_path / "back") == original
+    layout = CONFIGS[name][1]
+    model = Qwen3VL.from_pretrained(tmp_path / "orbax")
+    assert model.expert_layout == layout
+    model.save_hf(tmp_path / "saved")
+    assert _tensors(tmp_path / "saved") == original
+    with open(os.path.join(tmp_path / "saved", "config.json")) as f:
+        assert json.load(f)["architectures"] == ["Qwen3VLMoeForConditionalGeneration"]
+
+
+def test_wrong_expert_shape_is_named(moe_dirs, tmp_path):
+    config = Qwen3VLConfig.from_hf_config(moe_dirs["sparse"])
+    wrong = config.replace(text={"moe_intermediate_size": 24})
+    with pytest.raises(Exception, match=r"mlp\.experts\.gate_up_proj"):
+        convert_checkpoint(moe_dirs["sparse"], tmp_path / "out", lambda c: expected_params(wrong), to="hf")
+    assert not os.path.exists(tmp_path / "out")
