@@ -22,10 +22,14 @@ Parameters (our layout; the released checkpoints' layout, which `params.RULES` a
 transformers-5 module layout): `gate.kernel [H, E]`, `experts.gate_up_proj [E, H, 2I]` (gate columns
 first, then up), `experts.down_proj [E, I, H]`.
 
-Expert parallelism: under a mesh with an `expert` axis, `sharding.py` splits the experts' leading
-axis over it, and `expert_parallel` runs the block under `shard_map`: each device gathers the
-tokens of its expert group, computes the rows routed to its own experts, and a reduce-scatter sums
-the partial outputs back onto the devices that hold the tokens.
+Expert parallelism: under a mesh with an `expert` axis of size n > 1, `sharding.py` splits the
+experts' leading axis over it (and their hidden dimension over `fsdp`), and `expert_parallel` runs
+the experts under `shard_map`: each device all-gathers its experts' `fsdp` slices and the tokens
+of its expert group (the n devices along `expert`), computes only the rows routed to its E / n
+experts, and a reduce-scatter over `expert` sums the partial outputs back onto the devices that
+hold the tokens. The exchange is an all-gather plus a reduce-scatter of the group's activations
+(n x the bytes of an all-to-all dispatch, with no capacity and no dropped token); the router runs
+outside, on the batch-split tokens.
 
 Axes: T tokens, H hidden, E experts, K chosen experts per token, I expert width, M = T*K routed rows.
 """
@@ -39,11 +43,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from .config import TextConfig
 from .layers import Linear
+from .params import EXPERT, FSDP
+from .sharding import BATCH
 
-__all__ = ["MOE_IMPLEMENTATIONS", "Routing", "route", "expert_ffn", "tile_rows", "MoEBlock",
+__all__ = ["MOE_IMPLEMENTATIONS", "Routing", "route", "expert_ffn", "expert_parallel", "tile_rows", "MoEBlock",
            "load_balancing_loss"]
 
 MOE_IMPLEMENTATIONS = ("auto", "ragged", "tiled")
@@ -151,6 +158,41 @@ def expert_ffn(x, routing: Routing, gate_up, down, *, implementation: str = "aut
     return jnp.sum(y.reshape(tokens, k, -1).astype(jnp.float32) * weights, axis=1).astype(x.dtype)
 
 
+def _expert_axis_size() -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or EXPERT not in mesh.axis_names:
+        return 1
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))[EXPERT]
+
+
+def expert_parallel(x, routing: Routing, gate_up, down, *, implementation: str = "auto"):
+    """`expert_ffn` under the current mesh's `expert` axis (see the module docstring); `x [T, H]`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    n, experts = sizes[EXPERT], gate_up.shape[0]
+    local = experts // n
+    split = x.shape[0] % math.prod(sizes[a] for a in BATCH) == 0  # tokens split over the batch axes
+    tokens = P(BATCH) if split else P()
+    gather_fsdp = sizes[FSDP] > 1 and gate_up.shape[1] % sizes[FSDP] == 0
+
+    def body(x, chosen, weights, gate_up, down):
+        if gather_fsdp:
+            gate_up = lax.all_gather(gate_up, FSDP, axis=1, tiled=True)
+            down = lax.all_gather(down, FSDP, axis=2, tiled=True)
+        if split:
+            x, chosen, weights = (lax.all_gather(a, EXPERT, axis=0, tiled=True) for a in (x, chosen, weights))
+        first = lax.axis_index(EXPERT) * local
+        y = expert_ffn(x, Routing(None, chosen, weights), gate_up, down, implementation=implementation,
+                       local=(first, local))
+        if split:
+            return lax.psum_scatter(y, EXPERT, scatter_dimension=0, tiled=True)
+        return lax.psum(y, EXPERT)
+
+    weight_specs = (P(EXPERT, FSDP, None), P(EXPERT, None, FSDP)) if gather_fsdp else (P(EXPERT), P(EXPERT))
+    return jax.shard_map(body, in_specs=(tokens, tokens, tokens, *weight_specs), out_specs=tokens,
+                         check_vma=False)(x, routing.experts, routing.weights, gate_up, down)
+
+
 class MoEBlock(nnx.Module):
     """Router + routed experts, in place of a decoder layer's dense MLP."""
 
@@ -166,8 +208,9 @@ class MoEBlock(nnx.Module):
         b, length, h = x.shape
         flat = x.reshape(b * length, h)
         routing = route(self.gate(flat), self.top_k)
-        out = expert_ffn(flat, routing, self.experts.gate_up_proj[...], self.experts.down_proj[...],
-                         implementation=implementation)
+        run = expert_parallel if _expert_axis_size() > 1 else expert_ffn
+        out = run(flat, routing, self.experts.gate_up_proj[...], self.experts.down_proj[...],
+                  implementation=implementation)
         return out.reshape(b, length, h), routing.logits
 
 

@@ -202,7 +202,7 @@ class Plan:
     @property
     def rows_per_device(self) -> int:
         """Batch rows per device: split over data x fsdp when they divide it, else all of them."""
-        dp = self.mesh["data"] * self.mesh["fsdp"]
+        dp = math.prod(self.mesh[a] for a in BATCH)
         return self.batch // dp if self.batch % dp == 0 else self.batch
 
     @property
@@ -518,7 +518,7 @@ def _compile_steps(request: dict) -> dict:
     mesh = make_mesh(sizes)
     dtype, param_dtype = jnp.dtype(request["dtype"]), jnp.dtype(request["param_dtype"])
     sds = jax.ShapeDtypeStruct
-    dp = sizes["data"] * sizes["fsdp"]
+    dp = math.prod(sizes[a] for a in BATCH)
     replicated = NamedSharding(mesh, P())
 
     def batched(shape, dt, dim=0):

@@ -280,3 +280,39 @@ def test_wrong_expert_shape_is_named(moe_dirs, tmp_path):
     with pytest.raises(Exception, match=r"mlp\.experts\.gate_up_proj"):
         convert_checkpoint(moe_dirs["sparse"], tmp_path / "out", lambda c: expected_params(wrong), to="hf")
     assert not os.path.exists(tmp_path / "out")
+
+
+# ---------------------------------------------------------------------- expert parallelism
+
+
+@pytest.mark.slow
+def test_expert_parallel_meshes_match_one_device(moe_dirs, tmp_path):
+    """Meshes with an `expert` axis (with fsdp and tensor beside it) over 8 host CPU devices give
+    one device's logits, greedy ids and loss gradients (LM + router aux loss), experts split E / n."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "mesh.npz"
+    meshes = ["expert=2,fsdp=2,tensor=2", "data=2,expert=2,fsdp=2"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "moe_mesh_worker.py"),
+                           moe_dirs["mixed"], str(out), *meshes], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = np.load(out)
+    for mesh in meshes:
+        assert "expert" in str(results[f"{mesh}/spec"]), results[f"{mesh}/spec"]
+        assert_close(results[f"{mesh}/logits"], results["one/logits"], "f32_logits", mesh)
+        np.testing.assert_array_equal(results[f"{mesh}/ids"], results["one/ids"])
+        assert float(results[f"{mesh}/grad_err"]) < 2e-4, (mesh, float(results[f"{mesh}/grad_err"]))
+
+
+def test_expert_axis_is_checked(moe_dirs):
+    from qwen3vl_jax.sharding import ShardingError, check_mesh
+
+    mesh = jax.sharding.AbstractMesh((1, 4, 1, 1), ("data", "expert", "fsdp", "tensor"))
+    with pytest.raises(ShardingError, match="6 experts cannot be split over mesh axis 'expert' of size 4"):
+        check_mesh(Qwen3VLConfig.from_hf_config(moe_dirs["mixed"]), mesh)
+    with pytest.raises(ShardingError, match="no experts"):
+        check_mesh(preset("8b"), mesh)

@@ -114,7 +114,7 @@ def attention(q, k, v, mask: AttentionMask, *, implementation: str = "auto", blo
 
 
 # The mesh convention of the model (`qwen3vl_jax.sharding`): batch over these axes, heads over this one.
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = ("data", "expert", "fsdp")
 HEAD_AXIS = "tensor"
 
 
