@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ from qwen3vl_jax.config import ConfigError, Qwen3VLConfig, preset
 from qwen3vl_jax.convert import convert_checkpoint, iter_hf_tensors
 from qwen3vl_jax.model import MODEL_INPUTS, canonical_params, expected_params
 from qwen3vl_jax.moe import Routing, expert_ffn, load_balancing_loss, route, tile_rows
-from qwen3vl_jax.params import ours_to_hf_name
+from qwen3vl_jax.params import CheckpointError, ours_to_hf_name
 from qwen3vl_jax.testing import make_tiny_checkpoint
 from qwen3vl_jax.training.loss import causal_lm_loss
 
@@ -103,6 +104,49 @@ def test_grouped_matmul_equals_per_token_reference(tokens, implementation):
               for a, b in ((0, 2), (2, 5))]
     np.testing.assert_allclose(np.asarray(halves[0] + halves[1]), ref, rtol=1e-5, atol=1e-5)
     assert tile_rows(tokens * k, e) == (1 if tokens * k < 4 * e else 32)
+
+
+@pytest.mark.needs_torch
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("implementation", ["tiled", "ragged"])
+def test_one_expert_takes_every_token_as_hf(k, implementation):
+    """A router that sends every token to expert 0 (and, for k = 2, expert 1), so that the other
+    experts get no token: HF's sparse block and ours agree, with no NaN and no token dropped."""
+    import torch
+    from transformers import Qwen3VLMoeTextConfig
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock
+
+    from qwen3vl_jax.config import TextConfig
+    from qwen3vl_jax.moe import MoEBlock
+
+    e, h, i, tokens = 6, 16, 12, 40
+    hf_config = Qwen3VLMoeTextConfig(hidden_size=h, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=i)
+    rng = np.random.default_rng(5)
+    router = 0.1 * rng.standard_normal((e, h)).astype(np.float32)
+    router[0, 0], router[1, 0] = 8.0, 4.0  # feature 0 is large and positive in every token
+    gate_up = (rng.standard_normal((e, h, 2 * i)) / 4).astype(np.float32)
+    down = (rng.standard_normal((e, i, h)) / 4).astype(np.float32)
+    x = rng.standard_normal((1, tokens, h)).astype(np.float32)
+    x[..., 0] = 3.0 + np.abs(x[..., 0])
+    block = Qwen3VLMoeTextSparseMoeBlock(hf_config).eval()
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.from_numpy(router))
+        block.experts.gate_up_proj.copy_(torch.from_numpy(gate_up.transpose(0, 2, 1)))
+        block.experts.down_proj.copy_(torch.from_numpy(down.transpose(0, 2, 1)))
+        ref = block(torch.from_numpy(x)).numpy()
+
+    ours = MoEBlock(TextConfig(vocab_size=8, hidden_size=h, intermediate_size=8, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=8, mrope_section=(2, 1, 1),
+                               num_experts=e, num_experts_per_tok=k, moe_intermediate_size=i),
+                    dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    ours.gate.kernel[...] = jnp.asarray(router.T)
+    ours.experts.gate_up_proj[...] = jnp.asarray(gate_up)
+    ours.experts.down_proj[...] = jnp.asarray(down)
+    out, logits = ours(jnp.asarray(x), implementation=implementation)
+    chosen = np.asarray(route(logits, k).experts)
+    assert set(chosen.reshape(-1)) == set(range(k))  # every token to the same expert(s); the rest idle
+    assert np.all(np.isfinite(np.asarray(out)))
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_implementation_is_refused():
@@ -216,12 +260,11 @@ def test_greedy_generate_equals_hf(name, moe_dirs, hf_moe, batch):
 
 
 @pytest.mark.needs_torch
-def test_loss_and_gradients_with_aux_loss_equal_torch(moe_dirs, hf_moe, batch):
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_loss_and_gradients_with_aux_loss_equal_torch(name, moe_dirs, hf_moe, batch):
     """HF's loss with `output_router_logits=True` (LM loss + coef x load balancing) and the gradient
     of every parameter, router included, against torch autograd."""
-    import torch
-
-    hf = hf_moe["mixed"]
+    hf = hf_moe[name]
     labels = batch["input_ids"].clone()
     labels[batch["attention_mask"] == 0] = -100
     labels[:, :5] = -100
@@ -231,16 +274,16 @@ def test_loss_and_gradients_with_aux_loss_equal_torch(moe_dirs, hf_moe, batch):
     ref_grads = {n: p.grad.numpy().copy() for n, p in hf.named_parameters() if p.grad is not None}
     hf.zero_grad(set_to_none=True)
 
-    model = Qwen3VL.from_pretrained(moe_dirs["mixed"])
+    model = Qwen3VL.from_pretrained(moe_dirs[name], **CONFIGS[name][2])
     inputs = {**_np(batch), "labels": labels.numpy()}
     loss, grads = nnx.value_and_grad(lambda m: causal_lm_loss(m, inputs, router_aux_loss=True))(model)
     np.testing.assert_allclose(float(loss), float(out.loss.detach()), rtol=1e-5)
-    assert abs(float(out.aux_loss)) > 0
+    assert abs(float(out.aux_loss.detach())) > 0
     ours = canonical_params(grads)
     assert len(ours) == len(ref_grads)
     for path, value in ours.items():
-        name, transform = ours_to_hf_name(path, "module")
-        ref = ref_grads[name]
+        hf_name, transform = ours_to_hf_name(path, "module")
+        ref = ref_grads[hf_name]
         mine = transform.to_hf(np.asarray(value), model.config)
         scale = float(np.abs(ref).max())
         assert float(np.abs(mine - ref).max()) <= 2e-4 * scale + 1e-9, path
@@ -274,12 +317,28 @@ def test_convert_writes_back_the_layout_it_read(name, moe_dirs, tmp_path):
         assert json.load(f)["architectures"] == ["Qwen3VLMoeForConditionalGeneration"]
 
 
-def test_wrong_expert_shape_is_named(moe_dirs, tmp_path):
+@pytest.mark.parametrize("change", [{"moe_intermediate_size": 24}, {"num_experts": 6}])
+def test_wrong_expert_shape_or_count_is_named(change, moe_dirs, tmp_path):
     config = Qwen3VLConfig.from_hf_config(moe_dirs["sparse"])
-    wrong = config.replace(text={"moe_intermediate_size": 24})
-    with pytest.raises(Exception, match=r"mlp\.experts\.gate_up_proj"):
+    wrong = config.replace(text=change)
+    with pytest.raises(CheckpointError, match=r"shape mismatch for model\.language_model\.layers\.0\.mlp\.experts\."):
         convert_checkpoint(moe_dirs["sparse"], tmp_path / "out", lambda c: expected_params(wrong), to="hf")
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_missing_expert_tensor_is_named(moe_dirs, tmp_path):
+    from safetensors.numpy import save_file
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for item in os.listdir(moe_dirs["sparse"]):
+        if not item.endswith(".safetensors"):
+            shutil.copy(os.path.join(moe_dirs["sparse"], item), broken / item)
+    tensors = {name: array for _, name, array in iter_hf_tensors(moe_dirs["sparse"])
+               if name != "model.language_model.layers.1.mlp.experts.down_proj"}
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing tensor model\.language_model\.layers\.1\.mlp\.experts\.down_proj"):
+        Qwen3VL.from_pretrained(broken)
 
 
 # ---------------------------------------------------------------------- expert parallelism
@@ -293,19 +352,24 @@ def test_expert_parallel_meshes_match_one_device(moe_dirs, tmp_path):
     import sys
 
     out = tmp_path / "mesh.npz"
-    meshes = ["expert=2,fsdp=2,tensor=2", "data=2,expert=2,fsdp=2"]
+    meshes = ["expert=8", "expert=2,fsdp=2,tensor=2", "data=2,expert=4"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "moe_mesh_worker.py"),
-                           moe_dirs["mixed"], str(out), *meshes], env=env, capture_output=True, text=True,
+                           moe_dirs["sparse"], str(out), *meshes], env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = np.load(out)
+    experts = CONFIGS["sparse"][0]["num_experts"]
     for mesh in meshes:
+        n = dict(kv.split("=") for kv in mesh.split(","))["expert"]
         assert "expert" in str(results[f"{mesh}/spec"]), results[f"{mesh}/spec"]
+        assert int(results[f"{mesh}/local_experts"]) == experts // int(n)
         assert_close(results[f"{mesh}/logits"], results["one/logits"], "f32_logits", mesh)
         np.testing.assert_array_equal(results[f"{mesh}/ids"], results["one/ids"])
+        np.testing.assert_allclose(float(results[f"{mesh}/loss"]), float(results["one/loss"]), rtol=1e-5)
         assert float(results[f"{mesh}/grad_err"]) < 2e-4, (mesh, float(results[f"{mesh}/grad_err"]))
+        assert float(results[f"{mesh}/step_err"]) < 1e-4, (mesh, float(results[f"{mesh}/step_err"]))
 
 
 def test_expert_axis_is_checked(moe_dirs):
