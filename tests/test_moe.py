@@ -155,6 +155,7 @@ def test_unknown_implementation_is_refused():
         expert_ffn(jnp.zeros((1, 4)), routing, jnp.zeros((2, 4, 6)), jnp.zeros((2, 3, 4)), implementation="dense")
 
 
+@pytest.mark.needs_torch
 def test_load_balancing_loss_equals_hf():
     import torch
     from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func
