@@ -338,7 +338,7 @@ def main(argv=None) -> int:
     memo = sub.add_parser("plan", help="per-device memory of a mesh: parameters, optimizer, gradients, "
                                        "KV cache, activations; whether it fits")
     model_source = memo.add_mutually_exclusive_group(required=True)
-    model_source.add_argument("--preset", help="2b, 4b, 8b or 32b")
+    model_source.add_argument("--preset", help="2b, 4b, 8b, 32b, 30b-a3b or 235b-a22b")
     model_source.add_argument("--config", help="an HF config.json or checkpoint directory")
     memo.add_argument("--mesh", default=None,
                       help="e.g. data=1,fsdp=1,tensor=8 (unnamed axes: 1; default one device); 'auto': the "
