@@ -381,3 +381,45 @@ def test_expert_axis_is_checked(moe_dirs):
         check_mesh(Qwen3VLConfig.from_hf_config(moe_dirs["mixed"]), mesh)
     with pytest.raises(ShardingError, match="no experts"):
         check_mesh(preset("8b"), mesh)
+
+
+# ---------------------------------------------------------------------- generation and pruning in use
+
+
+@pytest.fixture(scope="module")
+def moe_model(moe_dirs):
+    return Qwen3VL.from_pretrained(moe_dirs["mixed"])
+
+
+@pytest.mark.parametrize("method", ["evs", pytest.param("vidcom2", marks=pytest.mark.slow)])
+def test_video_pruning_on_a_moe_model(method, moe_dirs, moe_model):
+    """The pruned prompt equals the unpruned one with the pruned tokens masked out as keys (the
+    dense models' check, tests/test_pruning_e2e.py), then bucketed generation with an
+    ahead-of-time encoder gives the same ids as the plain run."""
+    from test_pruning_e2e import _inputs, _model_kwargs, _video, check_pruned_equals_masked_unpruned
+
+    from qwen3vl_jax.buckets import EncoderRunner
+    from qwen3vl_jax.processing import Qwen3VLProcessor
+
+    processor = Qwen3VLProcessor.from_pretrained(moe_dirs["mixed"])
+    check_pruned_equals_masked_unpruned(moe_model, processor, method, 0.5)
+    lumped = _inputs(processor, [["video", "what moves?"], ["short"]], videos=[_video(8, 64, 64, 3, static=True)],
+                     pruning=(method, 0.5))
+    out = moe_model.generate(**_model_kwargs(lumped), max_new_tokens=6, video_pruning=(method, 0.5))
+    runner = EncoderRunner(moe_model, budgets=(16, 32)).warmup()
+    again = moe_model.generate(**_model_kwargs(lumped), max_new_tokens=6, video_pruning=(method, 0.5),
+                               vision_encoder=runner.encode)
+    np.testing.assert_array_equal(out, again)
+
+
+def test_router_part_is_frozen_alone_or_with_the_language_model(moe_model):
+    from qwen3vl_jax.training.trainer import trainable_filter
+
+    def trained(freeze):
+        state = nnx.state(moe_model, trainable_filter(freeze))
+        return {p for p in canonical_params(state)}
+
+    routers = {p for p in canonical_params(moe_model) if ".mlp.gate." in p}
+    assert routers and routers <= trained(())
+    assert not routers & trained(("router",)) and trained(("router",)) == trained(()) - routers
+    assert not routers & trained(("language",))

@@ -51,7 +51,7 @@ from ..model import MODEL_INPUTS
 from ..shapes import quarter_octave
 from ..sharding import use_mesh
 from .loss import summed_token_loss
-from .optim import OptimConfig, build_optimizer, learning_rate_schedule, param_part, param_path
+from .optim import OptimConfig, build_optimizer, is_frozen, learning_rate_schedule, param_part, param_path
 
 __all__ = ["Trainer", "trainable_filter", "pad_vision", "COMPILE_COUNTS"]
 
@@ -68,7 +68,7 @@ def trainable_filter(freeze: tuple[str, ...] = ()):
         if not isinstance(value, nnx.Param):
             return False
         name = ".".join(str(k) for k in path)
-        return param_part(name) not in freeze
+        return not is_frozen(param_part(name), freeze)
 
     return keep
 
@@ -130,7 +130,7 @@ class Trainer:
         if not jax.tree.leaves(self._pure):
             raise ArgumentError("no trainable parameters: the filter selects nothing")
         parts = {param_part(param_path(path)) for path, _ in jax.tree_util.tree_flatten_with_path(self._pure)[0]}
-        if parts <= set(config.freeze):  # e.g. LoRA adapters only in frozen parts: AdamW would move nothing
+        if all(is_frozen(p, config.freeze) for p in parts):  # e.g. LoRA adapters only in frozen parts
             raise ArgumentError(f"nothing would train: every trainable variable is in a frozen part "
                                 f"({', '.join(sorted(parts))}; freeze={list(config.freeze)})")
         self._targets = _variables_in_order(model, self.trainable, self._pure)
