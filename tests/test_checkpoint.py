@@ -124,7 +124,7 @@ def test_mesh_given_as_a_string(tiny_dir, jax_model):
     model = Qwen3VL.from_pretrained(tiny_dir, mesh="data=1")
     placed = model.language_model.embed_tokens.embedding[...].sharding
     assert isinstance(placed, jax.sharding.NamedSharding)
-    assert dict(placed.mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert dict(placed.mesh.shape) == {"data": 1, "expert": 1, "fsdp": 1, "tensor": 1}
     np.testing.assert_array_equal(np.asarray(model.language_model.embed_tokens.embedding[...]),
                                   np.asarray(jax_model.language_model.embed_tokens.embedding[...]))
     with pytest.raises(ShardingError, match="needs 8 devices, but 1"):

@@ -261,8 +261,9 @@ def test_greedy_generate_equals_hf(name, moe_dirs, hf_moe, batch):
 
 
 @pytest.mark.needs_torch
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_loss_and_gradients_with_aux_loss_equal_torch(name, moe_dirs, hf_moe, batch):
+@pytest.mark.parametrize("name, attention", [("mixed", "xla"), ("sparse", "xla"),
+                                             pytest.param("mixed", "pallas", marks=pytest.mark.slow)])
+def test_loss_and_gradients_with_aux_loss_equal_torch(name, attention, moe_dirs, hf_moe, batch):
     """HF's loss with `output_router_logits=True` (LM loss + coef x load balancing) and the gradient
     of every parameter, router included, against torch autograd."""
     hf = hf_moe[name]
@@ -275,7 +276,7 @@ def test_loss_and_gradients_with_aux_loss_equal_torch(name, moe_dirs, hf_moe, ba
     ref_grads = {n: p.grad.numpy().copy() for n, p in hf.named_parameters() if p.grad is not None}
     hf.zero_grad(set_to_none=True)
 
-    model = Qwen3VL.from_pretrained(moe_dirs[name], **CONFIGS[name][2])
+    model = Qwen3VL.from_pretrained(moe_dirs[name], attention_implementation=attention, **CONFIGS[name][2])
     inputs = {**_np(batch), "labels": labels.numpy()}
     loss, grads = nnx.value_and_grad(lambda m: causal_lm_loss(m, inputs, router_aux_loss=True))(model)
     np.testing.assert_allclose(float(loss), float(out.loss.detach()), rtol=1e-5)
@@ -391,7 +392,8 @@ def moe_model(moe_dirs):
     return Qwen3VL.from_pretrained(moe_dirs["mixed"])
 
 
-@pytest.mark.parametrize("method", ["evs", pytest.param("vidcom2", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["evs", "vidcom2"])
 def test_video_pruning_on_a_moe_model(method, moe_dirs, moe_model):
     """The pruned prompt equals the unpruned one with the pruned tokens masked out as keys (the
     dense models' check, tests/test_pruning_e2e.py), then bucketed generation with an
@@ -423,3 +425,15 @@ def test_router_part_is_frozen_alone_or_with_the_language_model(moe_model):
     assert routers and routers <= trained(())
     assert not routers & trained(("router",)) and trained(("router",)) == trained(()) - routers
     assert not routers & trained(("language",))
+
+
+def test_lora_on_a_moe_model_targets_attention(moe_dirs):
+    """LoRA wraps the attention projections of every layer; the default targets' MLP names match
+    no linear layer of an all-sparse model, and the error says why."""
+    from qwen3vl_jax.training.lora import LoRAConfig, add_lora
+
+    model = Qwen3VL.from_pretrained(moe_dirs["sparse"], scan_layers=False)
+    with pytest.raises(ValueError, match="fused expert tensors, not linear layers"):
+        add_lora(model, LoRAConfig(rank=4))
+    adapted = add_lora(model, LoRAConfig(rank=4, target_modules=("q_proj", "k_proj", "v_proj", "o_proj")))
+    assert len(adapted) == 4 * model.config.text.num_hidden_layers

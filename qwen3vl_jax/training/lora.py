@@ -169,9 +169,12 @@ def add_lora(model, config: LoRAConfig, *, seed: int = 0, modules: list[str] | N
             chosen += hits
         if unmatched:
             examples = sorted({hf.rsplit(".", 1)[-1] for hf in names.values()})
+            experts = ("; in this MoE model the sparse layers' experts are fused expert tensors, not linear "
+                       "layers: target the attention projections (q_proj, k_proj, v_proj, o_proj)"
+                       if model.config.text.is_moe else "")
             raise ValueError(f"LoRA target modules {unmatched} match no linear layer of the model; the "
                              f"layers' names end in {examples} (HF module names, e.g. "
-                             f"{next(iter(names.values()))})")
+                             f"{next(iter(names.values()))}){experts}")
         modules = sorted(set(chosen), key=list(linears).index)
     rngs = nnx.Rngs(params=seed)
     for path in modules:
