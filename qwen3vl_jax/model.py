@@ -41,7 +41,7 @@ from .config import Qwen3VLConfig
 from .convert import is_orbax_dir, plan_hf_params, restore_orbax, save_hf, save_orbax
 from .generate import GenerationConfig
 from .generate import generate as generate_tokens
-from .layers import Linear, use_scan
+from .layers import Linear, check_layers, use_scan
 from .mrope import get_rope_index
 from .params import canonical_params, count_params, fill_state, flat_paths, nest_paths, param_shapes
 from .sharding import check_mesh, constrain, make_mesh, param_shardings, shard, use_mesh
@@ -241,24 +241,30 @@ class Qwen3VL(nnx.Module):
 
     # ------------------------------------------------------------------ vision
 
-    def encode_vision(self, pixel_values, grid_thw, *, return_hidden_states: bool = False):
+    def encode_vision(self, pixel_values, grid_thw, *, return_hidden_states: bool = False,
+                      return_attentions=None):
         """Run the vision tower.
 
         Args:
           pixel_values: `[P, C*T*p*p]` (numpy or jax) patches, as the processor emits them.
           grid_thw: `[n, 3]` integer (t, h, w) in patches per image / video.
           return_hidden_states: also return each block's `[P, E]` output (`[depth, P, E]`).
+          return_attentions: a block index or indices: also return those blocks' attention
+            probabilities `{block: [H, P, P]}` (over the packed patches, in the processor's row order;
+            zero between different frames or items). Only those blocks materialize them.
         Returns:
-          `(merged [N, O], deepstack [L, N, O])`, or a `VisionOutput` when hidden states are asked for.
+          `(merged [N, O], deepstack [L, N, O])`, or a `VisionOutput` when hidden states or
+          attentions are asked for.
         """
         grid = validate_vision_inputs(pixel_values, grid_thw, self.config.vision)
+        attend = check_layers(return_attentions, self.config.vision.depth, "return_attentions", noun="block")
         meta = vision_metadata(grid, self.config.vision)
         graphdef, state = nnx.split(self.visual)
         with use_mesh(self):
             out = _run_vision(graphdef, state, jnp.asarray(pixel_values, jnp.float32), meta,
                               implementation=self.attention_implementation,
-                              return_hidden_states=return_hidden_states)
-        return out if return_hidden_states else (out.merged, out.deepstack)
+                              return_hidden_states=return_hidden_states, return_attentions=attend)
+        return out if return_hidden_states or attend else (out.merged, out.deepstack)
 
     # ------------------------------------------------------------------ full model
 
@@ -418,6 +424,7 @@ class Qwen3VL(nnx.Module):
         video_grid_thw=None,
         *,
         return_hidden_states: bool = False,
+        return_attentions=None,
         video_pruning: tuple[str, float] | None = None,
         vision_encoder=None,
         video_timestamps=None,
@@ -428,29 +435,43 @@ class Qwen3VL(nnx.Module):
         `prepare_inputs` then `forward` (jitted); the keywords as there. Differentiable: under
         `nnx.grad` / `jax.grad` the vision tower, the deepstack and the decoder all get gradients.
 
-        With `return_hidden_states`, returns `(logits, hidden states [N, B, L, E])`: each decoder
+        With `return_hidden_states`, also returns the hidden states `[N, B, L, E]`: each decoder
         layer's output before its deepstack addition, as HF's `output_hidden_states` records them.
+        With `return_attentions` (a decoder layer index or indices), also returns `{layer: [B, H, L,
+        L]}`, those layers' attention probabilities (HF's `output_attentions=True` under eager
+        attention; rows of padding tokens are zero). Only the chosen layers materialize them; the
+        forward without the option is unchanged. The extras follow the logits in that order:
+        `(logits, hidden_states, attentions)`.
         """
+        attend = check_layers(return_attentions, self.config.text.num_hidden_layers)
         inputs = self.prepare_inputs(input_ids, attention_mask, mm_token_type_ids, pixel_values,
                                      image_grid_thw, pixel_values_videos, video_grid_thw,
                                      video_pruning=video_pruning, vision_encoder=vision_encoder)
         graphdef, state = nnx.split(self)
         with use_mesh(self):
-            return _run_forward(graphdef, state, inputs, return_hidden_states=return_hidden_states)
+            return _run_forward(graphdef, state, inputs, return_hidden_states=return_hidden_states,
+                                return_attentions=attend)
 
-    def forward(self, inputs: MultimodalInputs, *, return_hidden_states: bool = False):
-        """Logits `[B, L, V]` (and per-layer hidden states) for prepared inputs; jit / grad friendly."""
-        out = self.forward_hidden(inputs, return_hidden_states=return_hidden_states)
+    def forward(self, inputs: MultimodalInputs, *, return_hidden_states: bool = False, return_attentions=None):
+        """Logits `[B, L, V]` (and per-layer hidden states, attention probabilities; see `__call__`)
+        for prepared inputs; jit / grad friendly."""
+        out = self.forward_hidden(inputs, return_hidden_states=return_hidden_states,
+                                  return_attentions=return_attentions)
         logits = self.logits(out.hidden)
-        return (logits, out.hidden_states) if return_hidden_states else logits
+        extras = ((out.hidden_states,) if return_hidden_states else ()) + (
+            (out.attentions,) if out.attentions is not None else ())
+        return (logits, *extras) if extras else logits
 
-    def forward_hidden(self, inputs: MultimodalInputs, *, return_hidden_states: bool = False):
+    def forward_hidden(self, inputs: MultimodalInputs, *, return_hidden_states: bool = False,
+                       return_attentions=None):
         """The forward up to the LM head: a `TextOutput` with the final-norm hidden states `[B, L, E]`
         (e.g. for a loss that projects them through `logits` a chunk at a time)."""
         embeds, deepstack = self.embed(inputs)
         return self.language_model(embeds, inputs.positions, causal_padding_mask(inputs.attention_mask), deepstack,
                                    implementation=self.attention_implementation,
-                                   return_hidden_states=return_hidden_states)
+                                   return_hidden_states=return_hidden_states,
+                                   return_attentions=check_layers(return_attentions,
+                                                                  self.config.text.num_hidden_layers))
 
     def embed(self, inputs: MultimodalInputs):
         """Token embeddings with visual features spliced in, and the per-level deepstack additions.
@@ -502,15 +523,19 @@ def _none_if_empty(grid, pixels, name: str):
     return grid, pixels
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "implementation", "return_hidden_states"))
-def _run_vision(graphdef, state, pixel_values, meta, *, implementation, return_hidden_states) -> VisionOutput:
+@functools.partial(jax.jit, static_argnames=("graphdef", "implementation", "return_hidden_states",
+                                             "return_attentions"))
+def _run_vision(graphdef, state, pixel_values, meta, *, implementation, return_hidden_states,
+                return_attentions=()) -> VisionOutput:
     visual = nnx.merge(graphdef, state)
-    return visual(pixel_values, meta, implementation=implementation, return_hidden_states=return_hidden_states)
+    return visual(pixel_values, meta, implementation=implementation, return_hidden_states=return_hidden_states,
+                  return_attentions=return_attentions)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "return_hidden_states"))
-def _run_forward(graphdef, state, inputs: MultimodalInputs, *, return_hidden_states):
-    return nnx.merge(graphdef, state).forward(inputs, return_hidden_states=return_hidden_states)
+@functools.partial(jax.jit, static_argnames=("graphdef", "return_hidden_states", "return_attentions"))
+def _run_forward(graphdef, state, inputs: MultimodalInputs, *, return_hidden_states, return_attentions=()):
+    return nnx.merge(graphdef, state).forward(inputs, return_hidden_states=return_hidden_states,
+                                              return_attentions=return_attentions)
 
 
 def expected_params(config: Qwen3VLConfig, **kwargs) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

@@ -28,7 +28,7 @@ from pallas_kernels.attention import api as attention_api
 from pallas_kernels.attention.mask import AttentionMask
 
 from .config import TextConfig
-from .layers import Linear, RMSNorm, apply_rotary, make_stack, run_stack
+from .layers import Linear, RMSNorm, apply_rotary, check_layers, make_stack, run_stack, segment_edges
 from .sharding import constrain
 
 __all__ = ["TextModel", "TextOutput", "KVCache", "DecoderLayer", "mrope_channel_axes", "mrope_cos_sin"]
@@ -85,14 +85,17 @@ jax.tree_util.register_dataclass(KVCache, data_fields=["keys", "values"], meta_f
 @dataclasses.dataclass(frozen=True)
 class TextOutput:
     """hidden: final-norm `[B, L, E]`; cache: the updated `KVCache` (or None); hidden_states:
-    `[N, B, L, E]` each layer's output before its deepstack addition (HF's record), when asked."""
+    `[N, B, L, E]` each layer's output before its deepstack addition (HF's record), when asked;
+    attentions: `{layer: [B, H, L, S]}` the attention probabilities of the layers asked for."""
 
     hidden: jax.Array
     cache: KVCache | None = None
     hidden_states: jax.Array | None = None
+    attentions: dict | None = None
 
 
-jax.tree_util.register_dataclass(TextOutput, data_fields=["hidden", "cache", "hidden_states"], meta_fields=[])
+jax.tree_util.register_dataclass(TextOutput, data_fields=["hidden", "cache", "hidden_states", "attentions"],
+                                 meta_fields=[])
 
 
 class TextAttention(nnx.Module):
@@ -107,8 +110,10 @@ class TextAttention(nnx.Module):
         self.q_norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
 
-    def __call__(self, x, cos, sin, mask: AttentionMask, cache=None, index=0, *, implementation: str):
-        """Attention output `[B, L, E]` and the layer's updated `(keys, values)` cache (or None).
+    def __call__(self, x, cos, sin, mask: AttentionMask, cache=None, index=0, *, implementation: str,
+                 return_weights: bool = False):
+        """Attention output `[B, L, E]`, the layer's updated `(keys, values)` cache (or None), and the
+        softmax probabilities `[B, H, L, S]` when `return_weights` (else None).
 
         Without a cache, q attends over this call's keys; with one (`[B, S, G, D]` each), this
         call's keys and values are written at slots `[index, index + L)` and q attends over the cache.
@@ -127,7 +132,8 @@ class TextAttention(nnx.Module):
             values = lax.dynamic_update_slice(values, v.astype(values.dtype), start)
             k, v, cache = keys, values, (keys, values)
         out = attention_api.attention(q, k, v, mask, implementation=implementation)
-        return self.o_proj(out.reshape(b, length, -1)), cache
+        weights = attention_api.attention_weights(q, k, mask) if return_weights else None
+        return self.o_proj(out.reshape(b, length, -1)), cache, weights
 
 
 class TextMLP(nnx.Module):
@@ -149,12 +155,15 @@ class DecoderLayer(nnx.Module):
                                                 param_dtype=param_dtype)
         self.mlp = TextMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, mask: AttentionMask, cache=None, index=0, *, implementation: str = "xla"):
-        """`(x, cache)`: the layer's output and its updated `(keys, values)` (None without a cache)."""
-        attended, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, index,
-                                         implementation=implementation)
+    def __call__(self, x, cos, sin, mask: AttentionMask, cache=None, index=0, *, implementation: str = "xla",
+                 return_weights: bool = False):
+        """`(x, cache)`: the layer's output and its updated `(keys, values)` (None without a cache);
+        `(x, cache, weights)` with `return_weights` (the attention probabilities `[B, H, L, S]`)."""
+        attended, cache, weights = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, index,
+                                                  implementation=implementation, return_weights=return_weights)
         x = x + attended
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return (x, cache, weights) if return_weights else (x, cache)
 
 
 def _level(deepstack, index):
@@ -190,14 +199,20 @@ class TextModel(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
 
     def __call__(self, embeds, positions, mask: AttentionMask, deepstack=None, *, cache: KVCache | None = None,
-                 cache_index=0, implementation: str = "xla", return_hidden_states: bool = False) -> TextOutput:
+                 cache_index=0, implementation: str = "xla", return_hidden_states: bool = False,
+                 return_attentions: tuple[int, ...] = ()) -> TextOutput:
         """The decoder over `embeds [B, L, E]` at mRoPE `positions [3, B, L]`.
 
         Args:
           mask: the `AttentionMask` of the L query rows (over this call's keys, or the cache's slots).
           deepstack: `[K, B, L, E]` additions after layers 0..K-1, or None.
           cache: a `KVCache` to write at slots `[cache_index, cache_index + L)` and attend over.
+          return_attentions: layer indices (static) whose attention probabilities `[B, H, L, S]` to
+            return (`TextOutput.attentions`). Each such layer runs on its own with a static index (a
+            scanned stack is scanned around it); the other layers, and a call that asks for none,
+            run exactly as without the option.
         """
+        attend = check_layers(return_attentions, self.config.num_hidden_layers)
         cos, sin = mrope_cos_sin(positions, self.config)
 
         def step(layer, carry, index):
@@ -206,7 +221,9 @@ class TextModel(nnx.Module):
             if keys is not None:
                 layer_cache = (lax.dynamic_index_in_dim(keys, index, keepdims=False),
                                lax.dynamic_index_in_dim(values, index, keepdims=False))
-            x, layer_cache = layer(x, cos, sin, mask, layer_cache, cache_index, implementation=implementation)
+            want = isinstance(index, int) and index in attend
+            x, layer_cache, *weights = layer(x, cos, sin, mask, layer_cache, cache_index,
+                                             implementation=implementation, return_weights=want)
             x = constrain(x, "batch", None, None)  # the block boundary: batch over data x fsdp
             if keys is not None:
                 keys = lax.dynamic_update_index_in_dim(keys, layer_cache[0], index, 0)
@@ -215,9 +232,18 @@ class TextModel(nnx.Module):
             level = _level(deepstack, index)
             if level is not None:
                 x = x + level.astype(x.dtype)
-            return (x, keys, values), out
+            return (x, keys, values), (out, weights[0] if weights else None)
 
         carry = (embeds, None, None) if cache is None else (embeds, cache.keys, cache.values)
-        (x, keys, values), hidden = run_stack(self.layers, step, carry, scan=self.scan_layers, remat=self.remat,
-                                              collect=return_hidden_states)
-        return TextOutput(self.norm(x), None if cache is None else KVCache(keys, values), hidden)
+        hidden, attentions = [], {}
+        for start, stop in segment_edges(self.config.num_hidden_layers, attend):
+            carry, outs = run_stack(self.layers, step, carry, scan=self.scan_layers, remat=self.remat,
+                                    collect=return_hidden_states or start in attend, start=start, stop=stop)
+            if outs is not None:
+                hidden.append(outs[0])
+                if start in attend:
+                    attentions[start] = outs[1][0]
+        x, keys, values = carry
+        hidden = jnp.concatenate(hidden) if return_hidden_states else None
+        return TextOutput(self.norm(x), None if cache is None else KVCache(keys, values), hidden,
+                          attentions if attend else None)
