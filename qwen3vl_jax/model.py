@@ -81,6 +81,7 @@ class MultimodalInputs:
     deepstack: `[K, N, E]` deepstack features, or None.
     pixel_values: `[P, C*T*p*p]` float32 patches of all images then videos, or None once encoded.
     vision: the tower's `VisionMetadata` for `pixel_values`, or None.
+    llm_pruning: an in-LLM pruning plan (`pruning.LLMPruning`) for this batch, or None.
     """
 
     input_ids: jnp.ndarray
@@ -92,12 +93,13 @@ class MultimodalInputs:
     deepstack: jnp.ndarray | None = None
     pixel_values: jnp.ndarray | None = None
     vision: VisionMetadata | None = None
+    llm_pruning: pruning_lib.LLMPruning | None = None
 
 
 jax.tree_util.register_dataclass(
     MultimodalInputs,
     data_fields=["input_ids", "attention_mask", "positions", "rope_deltas", "visual_index", "features", "deepstack",
-                 "pixel_values", "vision"],
+                 "pixel_values", "vision", "llm_pruning"],
     meta_fields=[],
 )
 
@@ -281,6 +283,7 @@ class Qwen3VL(nnx.Module):
         video_pruning: tuple[str, float] | None = None,
         vision_encoder=None,
         encode: bool = True,
+        llm_pruning=None,
         video_timestamps=None,
         video_metadata=None,
     ) -> MultimodalInputs:
@@ -300,6 +303,10 @@ class Qwen3VL(nnx.Module):
             `encode_vision`, e.g. `EncoderRunner(model).encode` for bucketed, precompiled encoding.
           encode: False leaves the pixels in the result for `forward` to encode (so gradients reach
             the vision tower when `forward` is differentiated).
+          llm_pruning: `(method, options)`, an in-LLM method (`("fastv", {"layer": 2, "rate": 0.5})`,
+            `("pyramiddrop", {"layers": (2, 4), "rate": 0.5})`; docs/pruning.md §11): planned here
+            (how many vision tokens each row keeps at each stage, the stages' static lengths), run
+            by `forward` at the decoder layers.
           video_timestamps, video_metadata: processor outputs the model does not need (accepted so
             `model(**processor(...))` works; the timestamps are already in the text).
         Raises ValueError naming the offending item for malformed inputs.
@@ -325,6 +332,7 @@ class Qwen3VL(nnx.Module):
         image_grid_thw, pixel_values = _none_if_empty(image_grid_thw, pixel_values, "image")
         video_grid_thw, pixel_values_videos = _none_if_empty(video_grid_thw, pixel_values_videos, "video")
         pruning = pruning_lib.validate_video_pruning(video_pruning)
+        in_llm = pruning_lib.validate_llm_pruning(llm_pruning)
         merge = cfg.vision.spatial_merge_size
         prune_videos = pruning is not None and video_grid_thw is not None
 
@@ -391,6 +399,9 @@ class Qwen3VL(nnx.Module):
         # Row-major over (batch, position), as HF scatters; pruned rows are simply never referenced.
         visual_index[is_image] = kept_rows[:n_image_tokens]
         visual_index[is_video] = kept_rows[n_image_tokens:]
+        plan = None
+        if in_llm is not None:
+            plan = pruning_lib.plan_llm_pruning(mask, visual_index >= 0, *in_llm, cfg.text.num_hidden_layers)
         return MultimodalInputs(
             input_ids=jnp.asarray(ids, jnp.int32),
             attention_mask=jnp.asarray(mask),
@@ -401,6 +412,7 @@ class Qwen3VL(nnx.Module):
             deepstack=deepstack,
             pixel_values=None if pixels is None else jnp.asarray(pixels),
             vision=None if meta is None else jax.tree.map(jnp.asarray, meta),
+            llm_pruning=plan,
         )
 
     def video_retention_masks(self, pixel_values_videos, video_grid_thw, video_pruning: tuple[str, float],
@@ -426,6 +438,7 @@ class Qwen3VL(nnx.Module):
         return_hidden_states: bool = False,
         return_attentions=None,
         video_pruning: tuple[str, float] | None = None,
+        llm_pruning=None,
         vision_encoder=None,
         video_timestamps=None,
         video_metadata=None,
@@ -440,13 +453,20 @@ class Qwen3VL(nnx.Module):
         With `return_attentions` (a decoder layer index or indices), also returns `{layer: [B, H, L,
         L]}`, those layers' attention probabilities (HF's `output_attentions=True` under eager
         attention; rows of padding tokens are zero). Only the chosen layers materialize them; the
-        forward without the option is unchanged. The extras follow the logits in that order:
-        `(logits, hidden_states, attentions)`.
+        forward without the option is unchanged.
+
+        With `llm_pruning=(method, options)` (e.g. `("fastv", {"layer": 2, "rate": 0.5})`, see
+        `prepare_inputs`), the logits are those of the tokens the last stage keeps, `[B, L', V]`, and
+        the stages' kept rows follow: a tuple of `[B, L_s]` input positions (-1: padding), one per
+        stage (the last is the layout of the logits). Attentions of layers after a stage cover its
+        tokens only. The extras follow the logits in this order: `(logits, hidden_states, attentions,
+        kept)`.
         """
         attend = check_layers(return_attentions, self.config.text.num_hidden_layers)
         inputs = self.prepare_inputs(input_ids, attention_mask, mm_token_type_ids, pixel_values,
                                      image_grid_thw, pixel_values_videos, video_grid_thw,
-                                     video_pruning=video_pruning, vision_encoder=vision_encoder)
+                                     video_pruning=video_pruning, vision_encoder=vision_encoder,
+                                     llm_pruning=llm_pruning)
         graphdef, state = nnx.split(self)
         with use_mesh(self):
             return _run_forward(graphdef, state, inputs, return_hidden_states=return_hidden_states,
@@ -459,7 +479,7 @@ class Qwen3VL(nnx.Module):
                                   return_attentions=return_attentions)
         logits = self.logits(out.hidden)
         extras = ((out.hidden_states,) if return_hidden_states else ()) + (
-            (out.attentions,) if out.attentions is not None else ())
+            (out.attentions,) if out.attentions is not None else ()) + ((out.kept,) if out.kept is not None else ())
         return (logits, *extras) if extras else logits
 
     def forward_hidden(self, inputs: MultimodalInputs, *, return_hidden_states: bool = False,
@@ -471,7 +491,8 @@ class Qwen3VL(nnx.Module):
                                    implementation=self.attention_implementation,
                                    return_hidden_states=return_hidden_states,
                                    return_attentions=check_layers(return_attentions,
-                                                                  self.config.text.num_hidden_layers))
+                                                                  self.config.text.num_hidden_layers),
+                                   pruning=inputs.llm_pruning)
 
     def embed(self, inputs: MultimodalInputs):
         """Token embeddings with visual features spliced in, and the per-level deepstack additions.

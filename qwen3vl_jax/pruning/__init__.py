@@ -18,7 +18,7 @@ The built-in modules also expose their jitted cores: `evs.keep_mask` / `vidcom2.
 
 from __future__ import annotations
 
-from . import baselines, evs, prompt, vidcom2
+from . import baselines, evs, llm, prompt, vidcom2
 from ._common import concat_levels, frame_counts, merged_grid
 from .apply import PrunedInputs, placeholder_tokens, plan_videos, prune_video_tokens, retention_maps
 from .registry import (
@@ -28,14 +28,17 @@ from .registry import (
     PruningMethod,
     get_method,
     is_adaptive,
+    method_kind,
     register_method,
     registered_methods,
     retained_count,
     retention_mask,
     unregister_method,
     uses_text,
+    validate_llm_pruning,
     validate_video_pruning,
 )
+from .llm import LLMPruning, Stage, plan_llm_pruning
 
 __all__ = [
     # the registry
@@ -50,6 +53,8 @@ __all__ = [
     "is_adaptive",
     "uses_text",
     "validate_video_pruning",
+    "validate_llm_pruning",
+    "method_kind",
     "retained_count",
     "retention_mask",
     # orchestration (what the model calls)
@@ -58,6 +63,11 @@ __all__ = [
     "placeholder_tokens",
     "prune_video_tokens",
     "retention_maps",
+    # in the language model
+    "Stage",
+    "LLMPruning",
+    "plan_llm_pruning",
+    "llm",
     # helpers and the built-in methods
     "concat_levels",
     "frame_counts",
@@ -73,3 +83,5 @@ register_method("vidcom2", vidcom2)
 register_method("random", baselines.RandomSelection(seed=0))
 register_method("spatial_grid", baselines.SpatialGrid())
 register_method("temporal", baselines.TemporalSubsample())
+register_method("fastv", llm.FastV())
+register_method("pyramiddrop", llm.PyramidDrop())

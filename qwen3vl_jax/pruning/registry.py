@@ -43,6 +43,8 @@ __all__ = [
     "is_adaptive",
     "uses_text",
     "validate_video_pruning",
+    "validate_llm_pruning",
+    "method_kind",
     "retained_count",
     "retention_mask",
 ]
@@ -85,11 +87,18 @@ def register_method(name: str, method, *, replace: bool = False):
     if not isinstance(name, str) or not name or name != name.strip():
         raise ValueError(f"a pruning method name must be a non-empty string without surrounding spaces, "
                          f"got {name!r}")
-    missing = [attr for attr in ("retained_count", "retention_mask") if not callable(getattr(method, attr, None))]
-    if missing:
-        raise ValueError(f"pruning method {name!r} ({type(method).__name__}) lacks callable {missing}; the "
-                         "protocol is retained_count(tokens_per_frame, num_frames, rate) and "
-                         "retention_mask(rows, grid_thw, spatial_merge_size, rate)")
+    if getattr(method, "kind", None) == "llm":
+        missing = [attr for attr in ("stages", "score") if not callable(getattr(method, attr, None))]
+        if missing:
+            raise ValueError(f"in-LLM pruning method {name!r} ({type(method).__name__}) lacks callable {missing}; "
+                             "the protocol is stages(options) -> (Stage, ...) and score(weights [B, H, S]) -> [B, S]")
+    else:
+        missing = [attr for attr in ("retained_count", "retention_mask")
+                   if not callable(getattr(method, attr, None))]
+        if missing:
+            raise ValueError(f"pruning method {name!r} ({type(method).__name__}) lacks callable {missing}; the "
+                             "protocol is retained_count(tokens_per_frame, num_frames, rate) and "
+                             "retention_mask(rows, grid_thw, spatial_merge_size, rate)")
     if name in _REGISTRY and _REGISTRY[name] is not method and not replace:
         raise ValueError(f"pruning method {name!r} is already registered; pass replace=True to replace it")
     _REGISTRY[name] = method
@@ -112,6 +121,37 @@ def get_method(method: str):
     if not isinstance(method, str) or method not in _REGISTRY:
         raise ValueError(f"unknown video pruning method {method!r}; registered methods: {registered_methods()}")
     return _REGISTRY[method]
+
+
+def method_kind(method: str) -> str:
+    """"llm" for a method that runs at decoder layers (`pruning.llm`), "encoder" for one that selects
+    from the encoder output."""
+    return "llm" if getattr(get_method(method), "kind", None) == "llm" else "encoder"
+
+
+def validate_llm_pruning(spec):
+    """`(method, stages)` for an in-LLM pruning option `(name, options)` (e.g. `("fastv", {"layer": 2,
+    "rate": 0.5})`), None for None. Every stage is kept, rate 0 included (it runs the machinery and
+    keeps every token). ValueError naming the method and the problem otherwise; whether the model
+    has the layers is checked where the model is known."""
+    if spec is None:
+        return None
+    if not isinstance(spec, (tuple, list)) or len(spec) != 2:
+        raise ValueError(f"llm_pruning must be None or a (method, options) pair such as ('fastv', {{'layer': 2, "
+                         f"'rate': 0.5}}), got {spec!r}")
+    name, options = spec
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"unknown in-LLM pruning method {name!r}; in-LLM methods: "
+                         f"{[m for m in registered_methods() if method_kind(m) == 'llm']}")
+    if method_kind(name) != "llm":
+        raise ValueError(f"pruning method {name!r} selects tokens from the encoder output, not inside the language "
+                         f"model: pass it as video_pruning / image_pruning=({name!r}, rate); in-LLM methods: "
+                         f"{[m for m in registered_methods() if method_kind(m) == 'llm']}")
+    stages = tuple(get_method(name).stages(options))
+    if not stages or any(b.layer <= a.layer for a, b in zip(stages, stages[1:])):
+        raise ValueError(f"in-LLM pruning method {name!r} returned stages {stages}; they must be non-empty with "
+                         "strictly increasing layers")
+    return name, stages
 
 
 def is_adaptive(method: str) -> bool:
@@ -155,7 +195,9 @@ def validate_video_pruning(*spec):
     method, rate = spec
     if method is None:
         method = DEFAULT_METHOD
-    get_method(method)
+    if method_kind(method) == "llm":
+        raise ValueError(f"pruning method {method!r} runs inside the language model, not on the encoder output: "
+                         f"pass it as llm_pruning=({method!r}, {{...}}) (docs/pruning.md §11)")
     if rate is None:
         return None
     rate = _check_rate(rate)
