@@ -57,14 +57,13 @@ def test_spec_weights_equal_a_dense_softmax(length, kv_len, block):
     np.testing.assert_allclose(np.asarray(out), mixed, atol=1e-5, rtol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def hf_eager(tiny_dir):
-    import torch
-    from transformers import Qwen3VLForConditionalGeneration
-
-    torch.manual_seed(0)
-    return Qwen3VLForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.float32,
-                                                           attn_implementation="eager").eval()
+@pytest.fixture
+def hf_eager(hf_model):
+    """The session's HF model under eager attention (the one that returns probabilities), restored after."""
+    before = hf_model.config._attn_implementation
+    hf_model.set_attn_implementation("eager")
+    yield hf_model
+    hf_model.set_attn_implementation(before)
 
 
 @pytest.mark.needs_torch
