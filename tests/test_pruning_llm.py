@@ -47,10 +47,16 @@ def _layer(layer, x, positions, level):
     return x + level, weights
 
 
-def reference(model, batch, stages):
-    """Per row: (kept input positions after each stage, logits `[kept, V]`), computed by hand."""
+def reference(model, batch, stages, extra=None):
+    """Per row: (kept input positions after each stage, logits `[kept, V]`), computed by hand.
+
+    `extra [B, n]`: token ids appended after each row's prompt (what `generate` made), at positions
+    last + 1 + t on all three axes, never dropped and without deepstack; the ranking stays the last
+    prompt token's (causal: the tokens after it do not change its attention row), and the logits
+    then cover the kept prompt tokens and the extra ones."""
     inputs = model.prepare_inputs(**batch)
     embeds, deepstack = model.embed(inputs)
+    n_extra = 0 if extra is None else np.asarray(extra).shape[1]
     lm, cfg = model.language_model, model.config.text
     cut = {s.layer - 1: s.rate for s in stages}
     mask = np.asarray(inputs.attention_mask)
@@ -61,19 +67,25 @@ def reference(model, batch, stages):
         positions = inputs.positions[:, b:b + 1, pos]
         levels = deepstack[:, b:b + 1, pos]
         visual = np.asarray(inputs.visual_index)[b, pos] >= 0
+        if n_extra:
+            x = jnp.concatenate([x, lm.embed_tokens(jnp.asarray(extra)[b:b + 1])], axis=1)
+            after = positions[:, :, -1:] + 1 + jnp.arange(n_extra)[None, None]
+            positions = jnp.concatenate([positions, after], axis=2)
+            levels = jnp.concatenate([levels, jnp.zeros(levels.shape[:2] + (n_extra,) + levels.shape[3:])], axis=2)
+            visual = np.concatenate([visual, np.zeros(n_extra, bool)])
         kept = []
         for layer in range(cfg.num_hidden_layers):
             level = levels[layer] if layer < levels.shape[0] else jnp.zeros_like(x)
             x, weights = _layer(lm.layers[layer], x, positions, level)
             if layer in cut:
-                score = np.asarray(weights[0, :, -1, :], np.float64).mean(axis=0)  # the last token's row
+                score = np.asarray(weights[0, :, -1 - n_extra, :], np.float64).mean(axis=0)  # last prompt token
                 candidates = np.flatnonzero(visual)
                 drop = math.floor(cut[layer] * len(candidates))
                 order = sorted(candidates, key=lambda i: (-score[i], i))  # best first, ties to the earlier
                 keep = ~visual
                 keep[order[:len(candidates) - drop]] = True
                 x, positions, levels = x[:, keep], positions[:, :, keep], levels[:, :, keep]
-                pos, visual = pos[keep], visual[keep]
+                pos, visual = pos[keep[:len(keep) - n_extra]], visual[keep]
                 kept.append(pos)
         results.append((kept, np.asarray(model.logits(lm.norm(x)))[0]))
     return results
@@ -96,11 +108,18 @@ def test_fastv_equals_the_hand_reference(jax_model, batch):
     """Layer 1 < the last deepstack level: the addition after layer 1 reaches the kept tokens only."""
     logits, (kept,) = _check_against_reference(jax_model, batch, ("fastv", {"layer": 1, "rate": 0.5}))
     visual = np.asarray(jax_model.prepare_inputs(**batch, encode=False).visual_index) >= 0
+    # the same tokens from the unpruned model's own attention at layer 0 (return_attentions, which
+    # equals HF's eager output_attentions: test_attentions.py): the last token's row, mean over heads
+    _, attentions = jax_model(**batch, return_attentions=0)
     for b in range(visual.shape[0]):
         n = int(visual[b].sum())
         row = np.asarray(kept)[b]
         assert int(visual[b][row[row >= 0]].sum()) == n - n // 2  # floor(0.5 n) dropped
         assert (np.diff(row[row >= 0]) > 0).all()  # order kept
+        score = np.asarray(attentions[0][b, :, -1], np.float64).mean(axis=0)
+        candidates = np.flatnonzero(visual[b])
+        best = sorted(candidates, key=lambda i: (-score[i], i))[:n - n // 2]
+        np.testing.assert_array_equal(np.intersect1d(row, candidates), np.sort(best), err_msg=f"row {b}")
 
 
 def test_pyramiddrop_equals_the_hand_reference(jax_model, batch):
@@ -167,3 +186,40 @@ def test_bad_in_llm_options_are_named(spec, message, jax_model, batch):
 def test_in_llm_method_as_video_pruning_is_refused():
     with pytest.raises(ValueError, match=r"'fastv' runs inside the language model.*llm_pruning="):
         pruning.validate_video_pruning(("fastv", 0.5))
+
+
+def _generate(model, batch, spec, **kwargs):
+    # no EOS: every step is an argmax the reference can check
+    return model.generate(**batch, llm_pruning=spec, max_new_tokens=5, eos_token_id=[], **kwargs)
+
+
+def test_generate_after_a_pruned_prefill_equals_a_cache_free_reference(jax_model, batch):
+    """Bucketed (64 slots, stage lengths rounded to 8) and unbucketed (the prompt's own length) runs
+    give the same ids, and each generated token is the argmax of the hand reference run without a
+    cache over the prompt's kept tokens and the tokens before it."""
+    spec = ("pyramiddrop", {"layers": [1, 2], "rate": 0.5})
+    length = batch["input_ids"].shape[1]
+    ids = _generate(jax_model, batch, spec)
+    np.testing.assert_array_equal(_generate(jax_model, batch, spec, min_bucket=length), ids)
+    made = ids[:, length:]
+    assert len(np.unique(made)) > 2  # the tiny model does not just repeat one token
+    stages = pruning.validate_llm_pruning(spec)[1]
+    for b, (_, logits) in enumerate(reference(jax_model, batch, stages, extra=made)):
+        np.testing.assert_array_equal(logits[-made.shape[1] - 1:-1].argmax(-1), made[b], err_msg=f"row {b}")
+
+
+def test_bucketed_generate_compiles_once_per_bucket(tiny_dir, jax_model):
+    """Two prompts in the 32 bucket (their kept tokens round to the same stage length) and one in the 64
+    bucket: one prefill and one decode program per bucket (the cache length follows the bucket)."""
+    from qwen3vl_jax.generate import COMPILE_COUNTS
+
+    processor = Qwen3VLProcessor.from_pretrained(tiny_dir)
+    spec = ("fastv", {"layer": 2, "rate": 0.5})
+    before = dict(COMPILE_COUNTS)
+    for question, (h, w) in [("Describe this.", (64, 96)), ("Hi", (32, 32)),
+                             ("Describe this image in a few words, please.", (64, 96))]:
+        text = processor.apply_chat_template(user_prompt("image", question), add_generation_prompt=True)
+        out = processor(text=[text], images=[random_image(h, w, 3)], return_tensors="np")
+        jax_model.generate(**{k: out[k] for k in MODEL_INPUTS if k in out}, llm_pruning=spec, max_new_tokens=2)
+    delta = {k: COMPILE_COUNTS[k] - before.get(k, 0) for k in ("prefill", "decode")}
+    assert delta == {"prefill": 2, "decode": 2}
