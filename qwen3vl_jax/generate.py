@@ -370,6 +370,7 @@ def generate(
     timings: dict | None = None,
     video_pruning: tuple[str, float] | None = None,
     llm_pruning=None,
+    image_pruning: tuple[str, float] | None = None,
     vision_encoder=None,
     video_timestamps=None,
     video_metadata=None,
@@ -394,7 +395,8 @@ def generate(
       callback: called as `callback(t, tokens [B])` for each generated position t (streaming; the
         tokens of a decode chunk arrive together); finished rows carry the pad id.
       min_bucket: the smallest prompt bucket. decode_chunk: decode steps per device call.
-      video_pruning, vision_encoder: as `Qwen3VL.prepare_inputs` (pruned video prompts; a bucketed encoder).
+      video_pruning, image_pruning, vision_encoder: as `Qwen3VL.prepare_inputs` (pruned video and image
+        prompts; a bucketed encoder).
       llm_pruning: an in-LLM method, `("fastv", {"layer": 2, "rate": 0.5})` (docs/pruning.md §11):
         the prefill drops vision tokens at its layers and the later layers' cache holds only the kept
         ones; planned on the bucket, so prefill compiles once per (bucket, stage lengths).
@@ -427,7 +429,7 @@ def generate(
     clock = _StageClock(timings)
     inputs = model.prepare_inputs(ids, mask, mm_token_type_ids, pixel_values, image_grid_thw,
                                   pixel_values_videos, video_grid_thw, video_pruning=video_pruning,
-                                  vision_encoder=vision_encoder)
+                                  vision_encoder=vision_encoder, image_pruning=image_pruning)
     clock.lap("prepare", inputs)
     inputs = _generation_positions(inputs)
     first_position = jnp.asarray(inputs.positions[:, :, -1] + 1, jnp.int32)  # [3, B]: HF's position_ids[..., -1:] + 1

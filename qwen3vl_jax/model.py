@@ -284,6 +284,7 @@ class Qwen3VL(nnx.Module):
         vision_encoder=None,
         encode: bool = True,
         llm_pruning=None,
+        image_pruning: tuple[str, float] | None = None,
         video_timestamps=None,
         video_metadata=None,
     ) -> MultimodalInputs:
@@ -299,6 +300,9 @@ class Qwen3VL(nnx.Module):
             are kept (computed here, from concrete values: the selection is not differentiated), and
             the sequence is rebuilt per frame with the kept tokens at their unpruned positions
             (shorter than the prompt when an adaptive method keeps fewer: docs/pruning.md §8.2).
+          image_pruning: `(method, rate)`, a registered method that prunes images (its `media`; e.g.
+            "divprune", "visionzip", the baselines): as `video_pruning`, with each image's placeholder
+            sized by the processor for its K kept tokens, which keep their unpruned positions.
           vision_encoder: a callable `(pixel_values, grid_thw) -> (merged, deepstack)` used instead of
             `encode_vision`, e.g. `EncoderRunner(model).encode` for bucketed, precompiled encoding.
           encode: False leaves the pixels in the result for `forward` to encode (so gradients reach
@@ -332,9 +336,11 @@ class Qwen3VL(nnx.Module):
         image_grid_thw, pixel_values = _none_if_empty(image_grid_thw, pixel_values, "image")
         video_grid_thw, pixel_values_videos = _none_if_empty(video_grid_thw, pixel_values_videos, "video")
         pruning = pruning_lib.validate_video_pruning(video_pruning)
+        image_spec = pruning_lib.validate_image_pruning(image_pruning)
         in_llm = pruning_lib.validate_llm_pruning(llm_pruning)
         merge = cfg.vision.spatial_merge_size
         prune_videos = pruning is not None and video_grid_thw is not None
+        prune_images = image_spec is not None and image_grid_thw is not None
 
         groups = []  # (pixels, grid) per modality, images first
         for name, token, pixels, grid in (
@@ -344,17 +350,18 @@ class Qwen3VL(nnx.Module):
             if (pixels is None) != (grid is None):
                 raise ValueError(f"pass both the {name} pixels and the {name} grid_thw, or neither")
             found = int(((ids == token) & mask).sum())
+            spec = {"image": image_spec, "video": pruning}[name] if grid is not None else None
             if grid is None:
                 expected = 0
-            elif name == "video" and prune_videos:
-                expected = pruning_lib.placeholder_tokens(grid, merge, pruning)
+            elif spec is not None:
+                expected = pruning_lib.placeholder_tokens(grid, merge, spec)
             else:
                 expected = int(np.asarray(grid).prod(axis=-1).sum()) // cfg.vision.merge_unit
             if found != expected:
                 raise ValueError(
                     f"{name} placeholders and {name} features do not match: the prompt has {found} {name} "
                     f"tokens but the {name} inputs give {expected} merged tokens"
-                    + (f" after {pruning[0]} pruning at rate {pruning[1]}" if name == "video" and prune_videos else "")
+                    + (f" after {spec[0]} pruning at rate {spec[1]}" if spec is not None else "")
                 )
             if grid is not None:
                 groups.append((pixels, validate_vision_inputs(pixels, grid, cfg.vision, what=name)))
@@ -364,17 +371,18 @@ class Qwen3VL(nnx.Module):
         if groups:
             pixels = np.concatenate([np.asarray(p, np.float32) for p, _ in groups])
             grid = np.concatenate([g for _, g in groups])
-            if encode or prune_videos:
+            if encode or prune_videos or prune_images:
                 features, deepstack = (vision_encoder or self.encode_vision)(pixels, grid)
-            if prune_videos:
+            if prune_videos or prune_images:
                 if isinstance(features, jax.core.Tracer):
                     raise ValueError(
-                        "video pruning selects tokens from concrete encoder outputs: call "
-                        "model.prepare_inputs(..., video_pruning=..., encode=False) outside jit / grad and pass "
-                        "the result to model.forward inside")
+                        "video and image pruning select tokens from concrete encoder outputs: call "
+                        "model.prepare_inputs(..., video_pruning=... / image_pruning=..., encode=False) outside "
+                        "jit / grad and pass the result to model.forward inside")
                 pruned = pruning_lib.prune_video_tokens(
-                    ids, mask, mm_token_type_ids, image_grid_thw, video_grid_thw, features, deepstack, pruning,
-                    config=cfg, embed_tokens=self.language_model.embed_tokens)
+                    ids, mask, mm_token_type_ids, image_grid_thw, video_grid_thw, features, deepstack,
+                    pruning if prune_videos else None, config=cfg, embed_tokens=self.language_model.embed_tokens,
+                    image_spec=image_spec if prune_images else None)
                 ids, mask, positions, deltas = pruned.input_ids, pruned.attention_mask, pruned.positions, pruned.rope_deltas
                 kept_rows = pruned.kept_rows
             else:
@@ -439,6 +447,7 @@ class Qwen3VL(nnx.Module):
         return_attentions=None,
         video_pruning: tuple[str, float] | None = None,
         llm_pruning=None,
+        image_pruning: tuple[str, float] | None = None,
         vision_encoder=None,
         video_timestamps=None,
         video_metadata=None,
@@ -466,7 +475,7 @@ class Qwen3VL(nnx.Module):
         inputs = self.prepare_inputs(input_ids, attention_mask, mm_token_type_ids, pixel_values,
                                      image_grid_thw, pixel_values_videos, video_grid_thw,
                                      video_pruning=video_pruning, vision_encoder=vision_encoder,
-                                     llm_pruning=llm_pruning)
+                                     llm_pruning=llm_pruning, image_pruning=image_pruning)
         graphdef, state = nnx.split(self)
         with use_mesh(self):
             return _run_forward(graphdef, state, inputs, return_hidden_states=return_hidden_states,

@@ -177,7 +177,7 @@ def test_generate_scoring_and_open_ended_clips(jax_model, processor, tmp_path):
 
 def test_ablation_refuses_bad_settings(jax_model, processor, tmp_path):
     clips = {"clip": np.zeros((4, 32, 32, 3), np.uint8)}
-    with pytest.raises(ValueError, match=r"unknown video pruning method 'nope'; registered methods"):
+    with pytest.raises(ValueError, match=r"unknown pruning method 'nope'; registered methods"):
         run_ablation(jax_model, processor, clips, out_dir=str(tmp_path), methods=("nope",), rates=(0.5,))
     with pytest.raises(ValueError, match=r"rate must be in \[0, 1\)"):
         run_ablation(jax_model, processor, clips, out_dir=str(tmp_path), methods=("evs",), rates=(1.0,))
