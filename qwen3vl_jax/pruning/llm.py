@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["Stage", "FastV", "PyramidDrop", "LLMPruning", "plan_llm_pruning", "compaction", "gather_rows",
-           "stage_granularity", "stage_length"]
+           "stage_granularity", "stage_length", "llm_option", "prefill_flops"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,3 +234,46 @@ def gather_rows(x, rows, axis: int, fill=0):
                                  axis=axis)
     valid = (rows >= 0).reshape(shape)
     return jnp.where(valid, picked, jnp.asarray(fill, x.dtype))
+
+
+def llm_option(method: str, rate: float, num_layers: int) -> tuple[str, dict]:
+    """The in-LLM option for a method named as the ablation names it, at `rate`.
+
+    `"fastv"` drops at layer 2 (the paper's K; layer 1 in a 2-layer model), `"fastv@K"` at layer K;
+    `"pyramiddrop"` at a quarter, a half and three quarters of the depth (PyramidDrop's 4 stages:
+    8, 16, 24 of 32; at least layer 1, repeats removed), `"pyramiddrop@K1,K2,..."` at those layers,
+    each stage dropping the share `rate` of the vision tokens present. ValueError naming the method
+    for anything else.
+    """
+    name, _, layers = str(method).partition("@")
+    try:
+        chosen = [int(k) for k in layers.split(",")] if layers else None
+    except ValueError:
+        raise ValueError(f"in-LLM pruning method {method!r}: the layers after '@' must be integers, e.g. "
+                         f"'{name}@2' or '{name}@2,4'") from None
+    if name == "fastv":
+        if chosen is not None and len(chosen) != 1:
+            raise ValueError(f"in-LLM pruning method {method!r}: fastv drops at one layer, e.g. 'fastv@2'")
+        return name, {"layer": chosen[0] if chosen else min(2, max(1, num_layers - 1)), "rate": rate}
+    if name == "pyramiddrop":
+        if chosen is None:
+            chosen = sorted({max(1, num_layers * i // 4) for i in (1, 2, 3)})
+        return name, {"layers": tuple(chosen), "rate": rate}
+    raise ValueError(f"in-LLM pruning method {method!r}: the ablation knows 'fastv[@K]' and "
+                     "'pyramiddrop[@K1,K2,...]'")
+
+
+def prefill_flops(config, tokens_per_layer) -> float:
+    """Matmul FLOPs of the language model's prefill when layer n runs over `tokens_per_layer[n]`
+    tokens (causal attention over the same tokens), plus the LM head of the last token.
+
+    Per layer of n tokens: the q, k, v and o projections `2 n E (2 H D + 2 G D)`, the SwiGLU MLP
+    `6 n E I`, and attention `2 H D n (n + 1)` (scores and the weighted sum over the n (n + 1) / 2
+    causal pairs). `config`: a `TextConfig`.
+    """
+    e, h, g, d = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    total = 2.0 * e * config.vocab_size
+    for n in tokens_per_layer:
+        n = float(n)
+        total += 2 * n * e * (2 * h * d + 2 * g * d) + 6 * n * e * config.intermediate_size + 2 * h * d * n * (n + 1)
+    return total
