@@ -24,17 +24,21 @@ from qwen3vl_jax.processing import Qwen3VLProcessor
 from qwen3vl_jax.text import mrope_cos_sin
 
 
-@pytest.fixture(scope="module")
-def batch(tiny_dir):
-    """An image row and a video row, left-padded (our processor: this file runs without torch)."""
+def _make_batch(tiny_dir, padding_side="left", **pruning_options):
+    """An image row and a video row, padded (our processor: this file runs without torch)."""
     processor = Qwen3VLProcessor.from_pretrained(tiny_dir)
     prompts = [user_prompt("image", "Describe this."), user_prompt("video", "What happens in the video here?")]
     texts = [processor.apply_chat_template(p, add_generation_prompt=True) for p in prompts]
     out = processor(text=texts, images=[random_image(64, 96, 0)], videos=[random_video(4, 64, 64, 1)],
-                    video_metadata=[{"fps": 2.0, "total_num_frames": 4}], padding=True, padding_side="left",
-                    return_tensors="np")
+                    video_metadata=[{"fps": 2.0, "total_num_frames": 4}], padding=True, padding_side=padding_side,
+                    return_tensors="np", **pruning_options)
     assert not out["attention_mask"].all()
     return {k: out[k] for k in MODEL_INPUTS if k in out}
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_dir):
+    return _make_batch(tiny_dir)
 
 
 @nnx.jit
@@ -124,6 +128,30 @@ def test_fastv_equals_the_hand_reference(jax_model, batch):
 
 def test_pyramiddrop_equals_the_hand_reference(jax_model, batch):
     _check_against_reference(jax_model, batch, ("pyramiddrop", {"layers": [1, 2], "rates": [0.5, 0.34]}))
+
+
+def test_right_padded_rows_keep_their_start(tiny_dir, jax_model):
+    """Right padding: each stage's kept tokens start where the row's real tokens did (the layout
+    `right_aligned=False`), against the same hand reference."""
+    batch = _make_batch(tiny_dir, "right")
+    assert not batch["attention_mask"][:, -1].all()
+    _check_against_reference(jax_model, batch, ("pyramiddrop", {"layers": [1, 2], "rates": [0.5, 0.34]}))
+
+
+def test_with_video_and_image_pruning(tiny_dir, jax_model):
+    """In-LLM stages rank what EVS and DivPrune kept; generate's first token is the forward's argmax."""
+    kw = dict(video_pruning=("evs", 0.5), image_pruning=("divprune", 0.5))
+    batch = _make_batch(tiny_dir, **kw)
+    spec = ("fastv", {"layer": 1, "rate": 0.5})
+    logits, (kept,) = jax_model(**batch, llm_pruning=spec, **kw)
+    inputs = jax_model.prepare_inputs(**batch, encode=False, **kw)
+    visual = np.asarray(inputs.visual_index) >= 0
+    rows = np.asarray(kept)
+    for b in range(visual.shape[0]):
+        n = int(visual[b].sum())
+        assert int(visual[b][rows[b][rows[b] >= 0]].sum()) == n - n // 2
+    ids = jax_model.generate(**batch, llm_pruning=spec, max_new_tokens=1, eos_token_id=[], **kw)
+    np.testing.assert_array_equal(ids[:, -1], np.asarray(logits)[:, -1].argmax(-1))
 
 
 def test_keep_all_equals_the_unpruned_model(jax_model, batch):
