@@ -319,7 +319,7 @@ def main(argv=None) -> int:
     tune.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x rank")
     tune.add_argument("--lora-dropout", type=float, default=0.0)
     tune.add_argument("--lora-vision", action="store_true", help="adapters on the vision blocks too")
-    tune.add_argument("--freeze", default="", help="comma-separated parts: vision, merger, language")
+    tune.add_argument("--freeze", default="", help="comma-separated parts: vision, merger, language, router (MoE)")
     tune.add_argument("--learning-rate", type=float, default=1e-4)
     tune.add_argument("--warmup-steps", type=int, default=0)
     tune.add_argument("--steps", type=int, default=100)
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
     memo = sub.add_parser("plan", help="per-device memory of a mesh: parameters, optimizer, gradients, "
                                        "KV cache, activations; whether it fits")
     model_source = memo.add_mutually_exclusive_group(required=True)
-    model_source.add_argument("--preset", help="2b, 4b, 8b or 32b")
+    model_source.add_argument("--preset", help="2b, 4b, 8b, 32b, 30b-a3b or 235b-a22b")
     model_source.add_argument("--config", help="an HF config.json or checkpoint directory")
     memo.add_argument("--mesh", default=None,
                       help="e.g. data=1,fsdp=1,tensor=8 (unnamed axes: 1; default one device); 'auto': the "

@@ -23,7 +23,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["VisionConfig", "TextConfig", "Qwen3VLConfig", "PRESETS", "preset"]
+__all__ = ["VisionConfig", "TextConfig", "Qwen3VLConfig", "PRESETS", "preset", "MODEL_TYPES"]
+
+# The dense models and the Mixture-of-Experts ones (30B-A3B, 235B-A22B).
+MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+_MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+             "mlp_only_layers", "router_aux_loss_coef", "norm_topk_prob", "output_router_logits")
 
 # Keys HF writes on every config that do not change the computation. Any value is accepted.
 _BOOKKEEPING_KEYS = frozenset(
@@ -135,9 +140,18 @@ class TextConfig:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 262144
     attention_bias: bool = False
+    # Mixture of experts (`qwen3_vl_moe`; 0 experts: the dense model). A layer is sparse unless it
+    # is in `mlp_only_layers` or `(layer + 1) % decoder_sparse_step != 0` (HF's rule).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self):
         object.__setattr__(self, "mrope_section", tuple(int(s) for s in self.mrope_section))
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers or ()))
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
             _check(getattr(self, name) > 0, f"text_config.{name} must be positive, got {getattr(self, name)}")
@@ -155,10 +169,42 @@ class TextConfig:
             _check(taken == self.mrope_section[axis],
                    f"mrope_section {self.mrope_section} does not fit the interleaved layout of {half} "
                    f"frequency channels (axis {'thw'[axis]} gets {taken} channels)")
+        _check(self.num_experts >= 0, f"text_config.num_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts:
+            _check(0 < self.num_experts_per_tok <= self.num_experts,
+                   f"text_config.num_experts_per_tok {self.num_experts_per_tok} must lie in "
+                   f"[1, num_experts={self.num_experts}]")
+            _check(self.moe_intermediate_size > 0,
+                   f"text_config.moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+            _check(self.decoder_sparse_step > 0,
+                   f"text_config.decoder_sparse_step must be positive, got {self.decoder_sparse_step}")
+            _check(all(0 <= i < self.num_hidden_layers for i in self.mlp_only_layers),
+                   f"text_config.mlp_only_layers {list(self.mlp_only_layers)} must lie in "
+                   f"[0, num_hidden_layers={self.num_hidden_layers})")
+            _check(self.router_aux_loss_coef >= 0,
+                   f"text_config.router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
 
     @property
     def num_kv_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` holds routed experts (else the dense SwiGLU MLP)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_sparse_layer(i))
+
+    @property
+    def uniform_layers(self) -> bool:
+        """All decoder layers have the same MLP kind (so their parameters can be stacked)."""
+        return len(self.sparse_layers) in (0, self.num_hidden_layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,14 +238,30 @@ class Qwen3VLConfig:
         raw = _as_dict(source)
         top = dict(raw)
         model_type = top.pop("model_type", "qwen3_vl")
-        _check(model_type == "qwen3_vl", f"model_type {model_type!r} is not 'qwen3_vl' (the dense Qwen3-VL)")
+        _check(model_type in MODEL_TYPES,
+               f"model_type {model_type!r} is not one of {MODEL_TYPES} (the dense and the MoE Qwen3-VL)")
         vision_raw = dict(top.pop("vision_config", None) or {})
         text_raw = dict(top.pop("text_config", None) or {})
         problems: list[str] = []
+        if model_type == "qwen3_vl":  # the dense config class has no expert fields
+            for key in _MOE_KEYS:
+                if key in text_raw:
+                    problems.append(f"text_config.{key} = {text_raw.pop(key)!r} belongs to a 'qwen3_vl_moe' "
+                                    "config, but model_type is 'qwen3_vl'")
+        # Always true in the released MoE configs; HF renormalises the top-k weights unconditionally.
+        _require("text_config", text_raw, "norm_topk_prob", (True,), problems)
+        text_raw.pop("output_router_logits", None)  # a training switch (`Trainer(router_aux_loss=...)`)
+        if "num_local_experts" in text_raw:  # HF's attribute name, which its `to_dict` writes
+            alias = text_raw.pop("num_local_experts")
+            if text_raw.setdefault("num_experts", alias) != alias:
+                problems.append(f"text_config.num_local_experts = {alias!r} disagrees with num_experts = "
+                                f"{text_raw['num_experts']!r}")
 
         vision = _take_vision(vision_raw, problems)
         # Older exports keep tie_word_embeddings inside text_config; either place is honoured.
         text_tie = text_raw.pop("tie_word_embeddings", None)
+        if model_type == "qwen3_vl_moe":
+            text_tie = None  # HF's MoE text config defaults it to true; its model reads the top level only
         text = _take_text(text_raw, problems)
         tie = top.pop("tie_word_embeddings", None)
         for key, value in (("tie_word_embeddings", tie), ("text_config.tie_word_embeddings", text_tie)):
@@ -222,16 +284,26 @@ class Qwen3VLConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF `config.json` content (v5 `rope_parameters` form)."""
         v, t = self.vision, self.text
+        moe = "Moe" if t.is_moe else ""
+        suffix = "_moe" if t.is_moe else ""
+        experts = {} if not t.is_moe else {
+            "num_experts": t.num_experts,
+            "num_experts_per_tok": t.num_experts_per_tok,
+            "moe_intermediate_size": t.moe_intermediate_size,
+            "decoder_sparse_step": t.decoder_sparse_step,
+            "mlp_only_layers": list(t.mlp_only_layers),
+            "router_aux_loss_coef": t.router_aux_loss_coef,
+        }
         return {
-            "architectures": ["Qwen3VLForConditionalGeneration"],
-            "model_type": "qwen3_vl",
+            "architectures": [f"Qwen3VL{moe}ForConditionalGeneration"],
+            "model_type": f"qwen3_vl{suffix}",
             "image_token_id": self.image_token_id,
             "video_token_id": self.video_token_id,
             "vision_start_token_id": self.vision_start_token_id,
             "vision_end_token_id": self.vision_end_token_id,
             "tie_word_embeddings": self.tie_word_embeddings,
             "vision_config": {
-                "model_type": "qwen3_vl_vision",
+                "model_type": f"qwen3_vl{suffix}_vision",
                 "depth": v.depth,
                 "hidden_size": v.hidden_size,
                 "hidden_act": "gelu_pytorch_tanh",
@@ -247,7 +319,7 @@ class Qwen3VLConfig:
                 "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
             },
             "text_config": {
-                "model_type": "qwen3_vl_text",
+                "model_type": f"qwen3_vl{suffix}_text",
                 "vocab_size": t.vocab_size,
                 "hidden_size": t.hidden_size,
                 "intermediate_size": t.intermediate_size,
@@ -266,14 +338,16 @@ class Qwen3VLConfig:
                     "mrope_section": list(t.mrope_section),
                     "mrope_interleaved": True,
                 },
+                **experts,
             },
         }
 
     def to_hf_config(self):
         """A transformers `Qwen3VLConfig` (needs no torch)."""
-        from transformers import Qwen3VLConfig as HFQwen3VLConfig
+        import transformers
 
-        return HFQwen3VLConfig(**self.to_hf_dict())
+        name = "Qwen3VLMoeConfig" if self.text.is_moe else "Qwen3VLConfig"
+        return getattr(transformers, name)(**self.to_hf_dict())
 
     def replace(self, **changes) -> "Qwen3VLConfig":
         """A copy with top-level fields, or `vision={...}` / `text={...}` field dicts, changed."""
@@ -463,14 +537,20 @@ _VISION_LARGE = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_hea
                      deepstack_visual_indexes=(8, 16, 24))
 
 
-def _preset(vision: dict, hidden: int, intermediate: int, layers: int, heads: int, tie: bool) -> Qwen3VLConfig:
+def _preset(vision: dict, hidden: int, intermediate: int, layers: int, heads: int, tie: bool, kv_heads: int = 8,
+            **experts) -> Qwen3VLConfig:
     return Qwen3VLConfig(
         vision=VisionConfig(out_hidden_size=hidden, **vision),
         text=TextConfig(vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate,
-                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=8,
-                        head_dim=128),
+                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                        head_dim=128, **experts),
         tie_word_embeddings=tie,
     )
+
+
+def _moe(width: int) -> dict:
+    """The released MoE members: 128 routed experts, 8 per token, every layer sparse."""
+    return dict(kv_heads=4, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=width)
 
 
 # The released Qwen3-VL dense checkpoints (Instruct and Thinking share dimensions).
@@ -479,11 +559,16 @@ PRESETS: dict[str, Qwen3VLConfig] = {
     "4b": _preset(_VISION_SMALL, hidden=2560, intermediate=9728, layers=36, heads=32, tie=True),
     "8b": _preset(_VISION_LARGE, hidden=4096, intermediate=12288, layers=36, heads=32, tie=False),
     "32b": _preset(_VISION_LARGE, hidden=5120, intermediate=25600, layers=64, heads=64, tie=False),
+    # The Mixture-of-Experts releases (`qwen3_vl_moe`; `intermediate_size` is the dense MLP width HF
+    # would give a layer listed in `mlp_only_layers`, none in the released configs).
+    "30b-a3b": _preset(_VISION_LARGE, hidden=2048, intermediate=6144, layers=48, heads=32, tie=False, **_moe(768)),
+    "235b-a22b": _preset(_VISION_LARGE, hidden=4096, intermediate=12288, layers=94, heads=64, tie=False,
+                         **_moe(1536)),
 }
 
 
 def preset(name: str) -> Qwen3VLConfig:
-    """One of `PRESETS` by name ("2b", "4b", "8b", "32b")."""
+    """One of `PRESETS` by name ("2b", "4b", "8b", "32b", "30b-a3b", "235b-a22b")."""
     key = name.lower().removeprefix("qwen3-vl-").removesuffix("-instruct")
     if key not in PRESETS:
         raise KeyError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")

@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 
 from .config import Qwen3VLConfig
-from .params import (CheckpointError, LazyTensor, Transform, as_lazy, flatten_paths, hf_to_ours_name, nest_paths,
+from .params import (EXPERT_LAYOUTS, CheckpointError, LazyTensor, Transform, as_lazy, expert_layout_of, flatten_paths,
+                     hf_rule, hf_to_ours_name, nest_paths,
                      ours_to_hf_name)
 
 __all__ = [
@@ -167,6 +168,14 @@ def _transformed_shape(fn: Callable, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(int(d) for d in jax.eval_shape(fn, jax.ShapeDtypeStruct(shape, np.float32)).shape)
 
 
+def _fits(transform: Transform, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape `transform` makes of a stored `shape`, or None where it does not apply."""
+    try:
+        return _transformed_shape(transform.to_ours, shape)
+    except (TypeError, ValueError):
+        return None
+
+
 def _load_to_ours(file: str, name: str, transform: Transform, dtype: np.dtype) -> np.ndarray:
     # transform (a view) and cast in one copy, straight into C order
     return np.asarray(transform.to_ours(_read_hf_tensor(file, name)), dtype=dtype, order="C")
@@ -229,11 +238,11 @@ def plan_hf_params(
         seen[name] = file
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the logits reuse embed_tokens; a stored copy is redundant
-        target = hf_to_ours_name(name)
+        target = hf_rule(name)
         if target is None:
             problems.append(f"unexpected tensor {name} {list(stored_shape)} (no conversion rule)")
             continue
-        path, transform = target
+        path, rule = target
         if path not in expected:
             problems.append(f"unexpected tensor {name} {list(stored_shape)} (the model has no {path})")
             continue
@@ -242,6 +251,10 @@ def plan_hf_params(
             continue
         claimed[path] = name
         shape, want_dtype = expected[path]
+        # A tensor stored in one of several layouts (the experts) is read through the first one
+        # that gives the model's shape.
+        transform = next((t for t in rule.readers
+                          if _fits(t, stored_shape) == tuple(shape)), rule.transform)
         try:
             ours_shape = _transformed_shape(transform.to_ours, stored_shape)
         except (TypeError, ValueError) as e:
@@ -256,7 +269,8 @@ def plan_hf_params(
             continue
         want = np.dtype(dtype or want_dtype)
         load = functools.partial(_load_to_ours, file, name, transform, want)
-        out[path] = LazyTensor(ours_shape, want, load, name, functools.partial(_read_hf_block, file, name, transform))
+        out[path] = LazyTensor(ours_shape, want, load, name, functools.partial(_read_hf_block, file, name, transform),
+                               transform.name)
     missing = sorted(set(expected) - set(claimed))
     for path in missing:
         try:
@@ -291,23 +305,25 @@ def load_hf_params(
     return {path: tensor.load() for path, tensor in plan.items()}
 
 
-def export_hf_tensors(params: Mapping[str, np.ndarray], config: Qwen3VLConfig) -> dict[str, np.ndarray]:
-    """`{our path: array}` -> `{HF name: array}` (the inverse of `load_hf_params`)."""
+def export_hf_tensors(params: Mapping[str, np.ndarray], config: Qwen3VLConfig, *,
+                      expert_layout: str = "released") -> dict[str, np.ndarray]:
+    """`{our path: array}` -> `{HF name: array}` (the inverse of `load_hf_params`); MoE experts in
+    `expert_layout` ("released": `[E, H, 2I]`, "module": transformers-5's `[E, 2I, H]`)."""
     tensors = {}
     for path, value in params.items():
-        name, transform = ours_to_hf_name(path)
+        name, transform = ours_to_hf_name(path, expert_layout)
         tensors[name] = np.ascontiguousarray(transform.to_hf(np.asarray(value), config))
     return tensors
 
 
 def export_hf_lazy(params: Mapping[str, object], config: Qwen3VLConfig, *,
-                   dtype=None) -> dict[str, LazyTensor]:
+                   dtype=None, expert_layout: str = "released") -> dict[str, LazyTensor]:
     """`{our path: array or LazyTensor}` -> `{HF name: LazyTensor}`: `export_hf_tensors` one tensor at
     a time, cast to `dtype` (default: each tensor's own) when loaded."""
     out = {}
     for path, value in params.items():
         value = as_lazy(value, path)
-        name, transform = ours_to_hf_name(path)
+        name, transform = ours_to_hf_name(path, expert_layout)
         shape = _transformed_shape(lambda a, t=transform: t.to_hf(a, config), value.shape)
         want = np.dtype(dtype) if dtype is not None else np.dtype(value.dtype)
         load = functools.partial(_load_to_hf, value.load, transform, config, want)
@@ -318,6 +334,9 @@ def export_hf_lazy(params: Mapping[str, object], config: Qwen3VLConfig, *,
 # ---------------------------------------------------------------------- Orbax and HF directories
 
 ORBAX_SUBDIR = "orbax"
+# Beside the config in an Orbax checkpoint: the HF layout its experts were read in, written back by
+# a later export (`params.EXPERT_LAYOUTS`).
+_EXPERT_LAYOUT_KEY = "qwen3vl_jax.expert_layout"
 # Files of an HF checkpoint directory that are not weights: carried along so a converted directory
 # is self-contained (the processor reads them).
 _SIDE_FILES = (
@@ -431,7 +450,8 @@ def _orbax_lazy_registry():
     )
 
 
-def write_orbax(params, config: Qwen3VLConfig, directory: str | os.PathLike) -> str:
+def write_orbax(params, config: Qwen3VLConfig, directory: str | os.PathLike, *,
+                expert_layout: str = "released") -> str:
     """Write `{directory}/orbax/0/{params, config}` one tensor at a time (no atomic rename: see `save_orbax`).
 
     `params`: the nested dict of the canonical layout (`{"language_model": {"layers": {0: ...}}}`).
@@ -456,20 +476,23 @@ def write_orbax(params, config: Qwen3VLConfig, directory: str | os.PathLike) -> 
                 "config": ocp.JsonCheckpointHandler()}
     with ocp.CheckpointManager(root, item_handlers=handlers) as manager:
         params = ocp.args.PyTreeSave(tree, save_args=save_args, ocdbt_target_data_file_size=ORBAX_CHUNK_BYTES)
-        manager.save(0, args=ocp.args.Composite(params=params, config=ocp.args.JsonSave(config.to_hf_dict())))
+        stored = config.to_hf_dict()
+        if config.text.is_moe:
+            stored[_EXPERT_LAYOUT_KEY] = expert_layout
+        manager.save(0, args=ocp.args.Composite(params=params, config=ocp.args.JsonSave(stored)))
         manager.wait_until_finished()
     return root
 
 
 def save_orbax(params_tree, config: Qwen3VLConfig, directory: str | os.PathLike, *,
-               overwrite: bool = False) -> str:
+               overwrite: bool = False, expert_layout: str = "released") -> str:
     """Write `{directory}/orbax/0/{params, config}`: the parameter tree and the config as JSON.
 
     Streamed by `write_orbax` (one tensor on the host at a time), through `atomic_directory`: a
     non-empty `directory` is refused unless `overwrite`.
     """
     with atomic_directory(directory, overwrite=overwrite) as tmp:
-        write_orbax(params_tree, config, tmp)
+        write_orbax(params_tree, config, tmp, expert_layout=expert_layout)
     return os.path.join(os.path.abspath(os.fspath(directory)), ORBAX_SUBDIR)
 
 
@@ -507,8 +530,20 @@ def _open_orbax(root: str, params_handler: str):
     if step is None:
         manager.close()
         raise CheckpointError(f"{root}: no finished Orbax checkpoint")
-    raw = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-    return manager, step, Qwen3VLConfig.from_hf_config(raw.config)
+    raw = dict(manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config)
+    layout = raw.pop(_EXPERT_LAYOUT_KEY, "released")
+    if layout not in EXPERT_LAYOUTS:
+        manager.close()
+        raise CheckpointError(f"{root}: {_EXPERT_LAYOUT_KEY} is {layout!r}, not one of {sorted(EXPERT_LAYOUTS)}")
+    return manager, step, Qwen3VLConfig.from_hf_config(raw), layout
+
+
+def orbax_expert_layout(directory: str | os.PathLike) -> str:
+    """The HF expert layout (`params.EXPERT_LAYOUTS`) recorded in a `save_orbax` checkpoint."""
+    root = os.path.abspath(os.path.join(os.fspath(directory), ORBAX_SUBDIR))
+    manager, _, _, layout = _open_orbax(root, "standard")
+    manager.close()
+    return layout
 
 
 def restore_orbax(directory: str | os.PathLike, abstract_tree_for):
@@ -523,7 +558,7 @@ def restore_orbax(directory: str | os.PathLike, abstract_tree_for):
     import orbax.checkpoint as ocp
 
     root = os.path.abspath(os.path.join(os.fspath(directory), ORBAX_SUBDIR))
-    manager, step, config = _open_orbax(root, "standard")
+    manager, step, config, layout = _open_orbax(root, "standard")
     with manager:
         target = abstract_tree_for(config)
         shapes = {path: leaf.shape for path, leaf in flatten_paths(target).items()}
@@ -549,7 +584,7 @@ def open_orbax_params(directory: str | os.PathLike, expected_for, *, dtype=None
     import orbax.checkpoint as ocp
 
     root = os.path.abspath(os.path.join(os.fspath(directory), ORBAX_SUBDIR))
-    manager, step, config = _open_orbax(root, "pytree")
+    manager, step, config, layout = _open_orbax(root, "pytree")
     with manager:
         expected = expected_for(config)
         _check_orbax_params(manager, step, root, {p: shape for p, (shape, _) in expected.items()})
@@ -566,7 +601,9 @@ def open_orbax_params(directory: str | os.PathLike, expected_for, *, dtype=None
         for path, (shape, want_dtype) in expected.items():
             want = np.dtype(dtype or want_dtype)
             load = functools.partial(read, path, tuple(shape), want)
-            tensors[path] = LazyTensor(tuple(shape), want, load, path)
+            # (the experts carry the layout they were first read in, for a later export)
+            tensors[path] = LazyTensor(tuple(shape), want, load, path, transform=EXPERT_LAYOUTS[layout].name
+                                       if ".mlp.experts." in path else "")
         yield config, tensors
 
 
@@ -644,10 +681,11 @@ def write_safetensors(tensors: Mapping[str, object], directory: str,
 
 
 def write_hf(params: Mapping[str, object], config: Qwen3VLConfig, directory: str | os.PathLike, *,
-             dtype: str | None = None, max_shard_bytes: int | None = None) -> None:
+             dtype: str | None = None, max_shard_bytes: int | None = None, expert_layout: str = "released") -> None:
     """config.json + safetensors for `{our path: array or LazyTensor}` into `directory`, one tensor at
-    a time (no atomic rename: see `save_hf`)."""
-    tensors = export_hf_lazy(params, config, dtype=None if dtype is None else storage_dtype(dtype))
+    a time (no atomic rename: see `save_hf`); MoE experts in `expert_layout`."""
+    tensors = export_hf_lazy(params, config, dtype=None if dtype is None else storage_dtype(dtype),
+                             expert_layout=expert_layout)
     hf_config = config.to_hf_dict()
     hf_config["dtype"] = dtype or str(np.dtype(next(iter(tensors.values())).dtype))
     write_safetensors(tensors, os.fspath(directory), max_shard_bytes)
@@ -656,7 +694,8 @@ def write_hf(params: Mapping[str, object], config: Qwen3VLConfig, directory: str
 
 
 def save_hf(params: Mapping[str, object], config: Qwen3VLConfig, directory: str | os.PathLike, *,
-            dtype: str | None = None, max_shard_bytes: int | None = None, overwrite: bool = False) -> str:
+            dtype: str | None = None, max_shard_bytes: int | None = None, overwrite: bool = False,
+            expert_layout: str = "released") -> str:
     """Write an HF checkpoint directory (config.json + safetensors, sharded when asked) HF loads.
 
     `params`: `{our path: array or LazyTensor}`, written one tensor at a time. Written through
@@ -664,7 +703,7 @@ def save_hf(params: Mapping[str, object], config: Qwen3VLConfig, directory: str 
     otherwise still be read) is refused unless `overwrite`, which replaces it whole.
     """
     with atomic_directory(directory, overwrite=overwrite) as tmp:
-        write_hf(params, config, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        write_hf(params, config, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes, expert_layout=expert_layout)
     return os.fspath(directory)
 
 
@@ -681,6 +720,9 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, expect
     Streamed: the source is checked whole from its headers / metadata first (every problem in one
     `CheckpointError`, before anything is written), then each tensor is read, transformed, cast
     and written before the next is read; the host holds a few tensors whatever the model's size.
+    MoE experts are written in the layout they were read in (`params.EXPERT_LAYOUTS`; an Orbax
+    checkpoint records the layout of the HF checkpoint it was made from), so HF -> Orbax -> HF gives
+    back the same bytes.
     `expected_for(config)` gives `{our path: (shape, dtype)}` (the canonical per-block layout).
     Everything is written into a temporary directory renamed to `out` at the end
     (`atomic_directory`), side files (tokenizer, processor, generation config) included.
@@ -696,11 +738,12 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, expect
         else:
             config = Qwen3VLConfig.from_hf_config(source)
             params = plan_hf_params(source, expected_for(config), config, dtype=np_dtype)
+        layout = expert_layout_of(params) or "released"
         params = _with_callback(params, on_tensor)
         if to == "orbax":
-            write_orbax(nest_paths(params), config, tmp)
+            write_orbax(nest_paths(params), config, tmp, expert_layout=layout)
         else:
-            write_hf(params, config, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes)
+            write_hf(params, config, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes, expert_layout=layout)
         # An HF export writes its own config.json; an Orbax directory keeps the source's beside the
         # weights. Side files are written before the directory becomes visible under its name.
         copied = copy_side_files(source, tmp, skip=("config.json",) if to == "hf" else ())

@@ -38,12 +38,12 @@ from pallas_kernels.attention.mask import AttentionMask
 
 from . import pruning as pruning_lib
 from .config import Qwen3VLConfig
-from .convert import is_orbax_dir, plan_hf_params, restore_orbax, save_hf, save_orbax
+from .convert import is_orbax_dir, orbax_expert_layout, plan_hf_params, restore_orbax, save_hf, save_orbax
 from .generate import GenerationConfig
 from .generate import generate as generate_tokens
 from .layers import Linear, check_layers, use_scan
 from .mrope import get_rope_index
-from .params import canonical_params, count_params, fill_state, flat_paths, nest_paths, param_shapes
+from .params import canonical_params, count_params, expert_layout_of, fill_state, flat_paths, nest_paths, param_shapes
 from .sharding import check_mesh, constrain, make_mesh, param_shardings, shard, use_mesh
 from .text import TextModel
 from .vision import VisionMetadata, VisionModel, VisionOutput, validate_vision_inputs, vision_metadata
@@ -127,21 +127,28 @@ class Qwen3VL(nnx.Module):
         time flat in depth). None (default): per tower, when it has >= `layers.SCAN_MIN_DEPTH` blocks
         (every full-size preset; not the tiny test model).
       remat: recompute each block's activations in the backward pass (training memory).
-    The last three are runtime options, not architecture.
+      moe_implementation: the MoE models' expert matmul, "auto", "ragged" (`lax.ragged_dot`) or
+        "tiled" (a loop over expert tiles, the CPU path); see `qwen3vl_jax.moe`.
+    The last four are runtime options, not architecture. A MoE config whose layers mix dense and
+    sparse MLPs keeps its decoder layers per block (`scan_layers` True is refused for it).
     """
 
     def __init__(self, config: Qwen3VLConfig, *, dtype=jnp.float32, param_dtype=None,
                  attention_implementation: str = "auto", scan_layers: bool | None = None, remat: bool = False,
-                 rngs: nnx.Rngs):
+                 moe_implementation: str = "auto", rngs: nnx.Rngs):
         param_dtype = param_dtype or dtype
         self.config = config
         self.dtype = dtype
         self.attention_implementation = attention_implementation
         self.generation_config = GenerationConfig()  # EOS / pad ids; from_pretrained reads the checkpoint's
+        self.expert_layout = "released"  # the HF layout of MoE experts that `save_hf` writes (as loaded)
         kw = dict(dtype=dtype, param_dtype=param_dtype, remat=bool(remat), rngs=rngs)
         self.visual = VisionModel(config.vision, scan_layers=use_scan(scan_layers, config.vision.depth), **kw)
-        self.language_model = TextModel(
-            config.text, scan_layers=use_scan(scan_layers, config.text.num_hidden_layers), **kw)
+        text_scan = use_scan(scan_layers, config.text.num_hidden_layers)
+        if scan_layers is None and not config.text.uniform_layers:
+            text_scan = False  # dense and sparse layers mixed: they cannot share one stacked layout
+        self.language_model = TextModel(config.text, scan_layers=text_scan, moe_implementation=moe_implementation,
+                                        **kw)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.text.hidden_size, config.text.vocab_size, use_bias=False, dtype=dtype,
                                   param_dtype=param_dtype, rngs=rngs)
@@ -156,7 +163,7 @@ class Qwen3VL(nnx.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
                         attention_implementation: str = "auto", scan_layers: bool | None = None,
-                        remat: bool = False, progress: bool = False,
+                        remat: bool = False, moe_implementation: str = "auto", progress: bool = False,
                         adapter: str | os.PathLike | None = None, mesh=None, vision: str = "data") -> "Qwen3VL":
         """Load an HF checkpoint directory (config.json + safetensors) or one written by `save_orbax`.
 
@@ -175,11 +182,12 @@ class Qwen3VL(nnx.Module):
         default) or "tensor" (split by its rules). See `qwen3vl_jax.sharding`.
         """
         kwargs = dict(dtype=dtype, param_dtype=param_dtype, attention_implementation=attention_implementation,
-                      scan_layers=scan_layers, remat=remat)
+                      scan_layers=scan_layers, remat=remat, moe_implementation=moe_implementation)
         if isinstance(mesh, (str, dict)):  # "data=4,tensor=2" or {"data": 4, "tensor": 2}
             mesh = make_mesh(mesh)
         # 1. resolve: the config, and each parameter's source (in its file until placed)
         config, params = cls._resolve(path, kwargs, mesh, vision)
+        expert_layout = (orbax_expert_layout(path) if is_orbax_dir(path) else expert_layout_of(params)) or "released"
         # 2. check: the mesh can split every parameter (the sources were checked in `_resolve`)
         if mesh is not None:
             check_mesh(config, mesh, vision=vision)
@@ -198,6 +206,7 @@ class Qwen3VL(nnx.Module):
             if bar is not None:
                 bar.close()
         model.generation_config = GenerationConfig.from_pretrained(path)
+        model.expert_layout = expert_layout
         # 5. attach: an adapter on top
         if adapter is not None:
             if "peft" not in _ADAPTER_LOADERS:
@@ -232,14 +241,15 @@ class Qwen3VL(nnx.Module):
     def save_orbax(self, directory: str | os.PathLike) -> str:
         """Write the parameters (canonical per-block layout) and the config as Orbax under `directory/orbax`
         (each parameter is copied to the host as it is written, one at a time)."""
-        return save_orbax(nest_paths(canonical_params(self)), self.config, directory)
+        return save_orbax(nest_paths(canonical_params(self)), self.config, directory,
+                          expert_layout=self.expert_layout)
 
     def save_hf(self, directory: str | os.PathLike, *, dtype: str | None = None,
                 max_shard_bytes: int | None = None) -> str:
         """Export HF safetensors + config.json that `Qwen3VLForConditionalGeneration` loads (each
         parameter is copied to the host as it is written, one at a time)."""
         return save_hf(canonical_params(self), self.config, directory, dtype=dtype,
-                       max_shard_bytes=max_shard_bytes)
+                       max_shard_bytes=max_shard_bytes, expert_layout=self.expert_layout)
 
     # ------------------------------------------------------------------ vision
 
@@ -445,6 +455,7 @@ class Qwen3VL(nnx.Module):
         *,
         return_hidden_states: bool = False,
         return_attentions=None,
+        return_router_logits: bool = False,
         video_pruning: tuple[str, float] | None = None,
         llm_pruning=None,
         image_pruning: tuple[str, float] | None = None,
@@ -468,8 +479,12 @@ class Qwen3VL(nnx.Module):
         `prepare_inputs`), the logits are those of the tokens the last stage keeps, `[B, L', V]`, and
         the stages' kept rows follow: a tuple of `[B, L_s]` input positions (-1: padding), one per
         stage (the last is the layout of the logits). Attentions of layers after a stage cover its
-        tokens only. The extras follow the logits in this order: `(logits, hidden_states, attentions,
-        kept)`.
+        tokens only.
+
+        With `return_router_logits` (MoE models), `router logits [sparse layers, B*L, experts]` come
+        last in the tuple, as HF's `output_router_logits` records them (`moe.load_balancing_loss`).
+        The extras follow the logits in this order: `(logits, hidden_states, attentions, kept,
+        router_logits)`.
         """
         attend = check_layers(return_attentions, self.config.text.num_hidden_layers)
         inputs = self.prepare_inputs(input_ids, attention_mask, mm_token_type_ids, pixel_values,
@@ -479,20 +494,23 @@ class Qwen3VL(nnx.Module):
         graphdef, state = nnx.split(self)
         with use_mesh(self):
             return _run_forward(graphdef, state, inputs, return_hidden_states=return_hidden_states,
-                                return_attentions=attend)
+                                return_attentions=attend, return_router_logits=return_router_logits)
 
-    def forward(self, inputs: MultimodalInputs, *, return_hidden_states: bool = False, return_attentions=None):
-        """Logits `[B, L, V]` (and per-layer hidden states, attention probabilities; see `__call__`)
-        for prepared inputs; jit / grad friendly."""
+    def forward(self, inputs: MultimodalInputs, *, return_hidden_states: bool = False, return_attentions=None,
+                return_router_logits: bool = False):
+        """Logits `[B, L, V]` (then per-layer hidden states, attention probabilities, the in-LLM
+        stages' kept rows, router logits, when asked; see `__call__`) for prepared inputs; jit / grad
+        friendly."""
         out = self.forward_hidden(inputs, return_hidden_states=return_hidden_states,
-                                  return_attentions=return_attentions)
+                                  return_attentions=return_attentions, return_router_logits=return_router_logits)
         logits = self.logits(out.hidden)
         extras = ((out.hidden_states,) if return_hidden_states else ()) + (
-            (out.attentions,) if out.attentions is not None else ()) + ((out.kept,) if out.kept is not None else ())
+            (out.attentions,) if out.attentions is not None else ()) + (
+            (out.kept,) if out.kept is not None else ()) + ((out.router_logits,) if return_router_logits else ())
         return (logits, *extras) if extras else logits
 
     def forward_hidden(self, inputs: MultimodalInputs, *, return_hidden_states: bool = False,
-                       return_attentions=None):
+                       return_attentions=None, return_router_logits: bool = False):
         """The forward up to the LM head: a `TextOutput` with the final-norm hidden states `[B, L, E]`
         (e.g. for a loss that projects them through `logits` a chunk at a time)."""
         embeds, deepstack = self.embed(inputs)
@@ -501,7 +519,7 @@ class Qwen3VL(nnx.Module):
                                    return_hidden_states=return_hidden_states,
                                    return_attentions=check_layers(return_attentions,
                                                                   self.config.text.num_hidden_layers),
-                                   pruning=inputs.llm_pruning)
+                                   pruning=inputs.llm_pruning, return_router_logits=return_router_logits)
 
     def embed(self, inputs: MultimodalInputs):
         """Token embeddings with visual features spliced in, and the per-level deepstack additions.
@@ -562,10 +580,13 @@ def _run_vision(graphdef, state, pixel_values, meta, *, implementation, return_h
                   return_attentions=return_attentions)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "return_hidden_states", "return_attentions"))
-def _run_forward(graphdef, state, inputs: MultimodalInputs, *, return_hidden_states, return_attentions=()):
+@functools.partial(jax.jit, static_argnames=("graphdef", "return_hidden_states", "return_attentions",
+                                             "return_router_logits"))
+def _run_forward(graphdef, state, inputs: MultimodalInputs, *, return_hidden_states, return_attentions=(),
+                 return_router_logits=False):
     return nnx.merge(graphdef, state).forward(inputs, return_hidden_states=return_hidden_states,
-                                              return_attentions=return_attentions)
+                                              return_attentions=return_attentions,
+                                              return_router_logits=return_router_logits)
 
 
 def expected_params(config: Qwen3VLConfig, **kwargs) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

@@ -33,8 +33,9 @@ from flax import nnx
 from .config import Qwen3VLConfig
 
 __all__ = [
-    "CheckpointError", "Transform", "IDENTITY", "LINEAR", "CONV3D_AS_LINEAR", "FSDP", "TENSOR", "COLUMNS", "ROWS",
-    "REPLICATED", "Rule", "RULES", "hf_to_ours_name", "ours_to_hf_name", "rule_for", "partition_spec",
+    "CheckpointError", "Transform", "IDENTITY", "LINEAR", "CONV3D_AS_LINEAR", "EXPERTS_RELEASED", "EXPERTS_MODULE",
+    "EXPERT_LAYOUTS", "FSDP", "TENSOR", "EXPERT", "COLUMNS", "ROWS", "REPLICATED", "Rule", "RULES", "hf_to_ours_name",
+    "hf_rule", "ours_to_hf_name", "expert_layout_of", "rule_for", "partition_spec",
     "LazyTensor", "as_lazy", "STACKS", "dotted", "flat_paths", "nest_paths", "flatten_paths", "stacked_prefix",
     "stacked_stacks", "canonical_params", "param_shapes", "count_params", "place", "fill_state",
 ]
@@ -80,10 +81,19 @@ CONV3D_AS_LINEAR = Transform(
     lambda get, index: _conv3d_to_ours(get(tuple(index[1:2])))[index[0]],
 )
 
+# A layer's fused expert weights, `[E, ...]` (one row of the table for all experts; `moe.py`). Ours
+# is the released checkpoints' layout: `gate_up_proj [E, H, 2I]`, `down_proj [E, I, H]`. The
+# transformers-5 modules hold (and save) the last two axes swapped: `[E, 2I, H]`, `[E, H, I]`.
+EXPERTS_RELEASED = Transform("experts_released", lambda a: a, lambda a, c: a, lambda get, index: get(index))
+EXPERTS_MODULE = Transform("experts_module", lambda a: np.swapaxes(a, 1, 2), lambda a, c: np.swapaxes(a, 1, 2),
+                           lambda get, index: np.swapaxes(get((index[0], index[2], index[1])), 1, 2))
+EXPERT_LAYOUTS = {"released": EXPERTS_RELEASED, "module": EXPERTS_MODULE}
+"""The two layouts of expert tensors in HF checkpoints, by name (what `convert` reads and writes back)."""
+
 # Mesh axis names (`sharding.py` builds the mesh). A rule's `spec` names the axis each dimension of
 # our parameter is split over (None: not split): attention heads and MLP columns over `tensor`, the
 # other weight dimension over `fsdp`.
-FSDP, TENSOR = "fsdp", "tensor"
+FSDP, TENSOR, EXPERT = "fsdp", "tensor", "expert"
 COLUMNS = (FSDP, TENSOR)  # [in, out] kernels whose outputs are heads / MLP columns
 ROWS = (TENSOR, FSDP)  # [in, out] kernels whose inputs are heads / MLP columns
 REPLICATED = ()
@@ -95,6 +105,8 @@ class Rule:
 
     `spec`: the parameter's partitioning over the mesh (see above). The vision tower's rules give
     its tensor-parallel layout; by default the tower is replicated (`sharding.py`).
+    `layouts`: other transforms the HF tensor may be stored in, tried first when reading (the
+    one whose result has the model's shape is taken); `transform` is the one written by default.
     """
 
     hf: str
@@ -102,6 +114,12 @@ class Rule:
     transform: Transform
     x: str = r".+"
     spec: tuple[str | None, ...] = REPLICATED
+    layouts: tuple[Transform, ...] = ()
+
+    @property
+    def readers(self) -> tuple[Transform, ...]:
+        """The transforms to try, in order, on a stored tensor of unknown layout."""
+        return self.layouts + (self.transform,)
 
     def _regex(self, template: str) -> re.Pattern:
         return re.compile(re.escape(template).replace(r"\{x\}", f"({self.x})"))
@@ -140,16 +158,30 @@ RULES: tuple[Rule, ...] = (
     Rule("model.language_model.{x}.bias", "language_model.{x}.bias", IDENTITY, x=_LAYER + r"self_attn\.[qkv]_proj",
          spec=(TENSOR,)),
     Rule("model.language_model.{x}.bias", "language_model.{x}.bias", IDENTITY, x=_LAYER + r"self_attn\.o_proj"),
+    # MoE layers: the router `[E, H]` and the fused experts. Where both layouts fit (H == 2I for
+    # gate_up, H == I for down) the tensor is read as the module layout, as transformers reads it.
+    Rule("model.language_model.{x}.weight", "language_model.{x}.kernel", LINEAR, x=_LAYER + r"mlp\.gate",
+         spec=(FSDP, None)),
+    Rule("model.language_model.{x}", "language_model.{x}", EXPERTS_RELEASED, x=_LAYER + r"mlp\.experts\.gate_up_proj",
+         spec=(EXPERT, FSDP, None), layouts=(EXPERTS_MODULE,)),
+    Rule("model.language_model.{x}", "language_model.{x}", EXPERTS_RELEASED, x=_LAYER + r"mlp\.experts\.down_proj",
+         spec=(EXPERT, None, FSDP), layouts=(EXPERTS_MODULE,)),
     Rule("lm_head.weight", "lm_head.kernel", LINEAR, spec=COLUMNS),
 )
 
 
 def hf_to_ours_name(name: str) -> tuple[str, Transform] | None:
     """Our path and transform for an HF tensor name, or None if no rule matches."""
+    found = hf_rule(name)
+    return None if found is None else (found[0], found[1].transform)
+
+
+def hf_rule(name: str) -> tuple[str, Rule] | None:
+    """Our path and the rule for an HF tensor name (first match), or None."""
     for rule in RULES:
         path = rule.match_hf(name)
         if path is not None:
-            return path, rule.transform
+            return path, rule
     return None
 
 
@@ -162,10 +194,14 @@ def rule_for(path: str) -> tuple[str, Rule]:
     raise KeyError(f"no conversion rule produces the parameter {path!r}")
 
 
-def ours_to_hf_name(path: str) -> tuple[str, Transform]:
-    """The HF name and transform for one of our parameter paths (the inverse of the table)."""
+def ours_to_hf_name(path: str, expert_layout: str = "released") -> tuple[str, Transform]:
+    """The HF name and transform for one of our parameter paths (the inverse of the table);
+    expert tensors in `expert_layout` (`EXPERT_LAYOUTS`)."""
     name, rule = rule_for(path)
-    return name, rule.transform
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout must be one of {sorted(EXPERT_LAYOUTS)}, got {expert_layout!r}")
+    layout = EXPERT_LAYOUTS[expert_layout]
+    return name, layout if layout in rule.readers else rule.transform
 
 
 def partition_spec(path: str) -> tuple[str | None, ...]:
@@ -190,6 +226,7 @@ class LazyTensor:
     load: Callable[[], np.ndarray]
     source: str = ""
     read_block: Callable[[tuple], np.ndarray] | None = None
+    transform: str = ""  # the name of the `Transform` an HF tensor is read through ("" otherwise)
 
     def block(self, index: tuple) -> np.ndarray:
         """`tensor[index]` (a tuple of slices, as `jax.make_array_from_callback` asks for a device's
@@ -217,6 +254,16 @@ class LazyTensor:
             raise CheckpointError(f"{self.source or 'a tensor'} loaded as {array.dtype}{list(array.shape)}, "
                                   f"expected {np.dtype(self.dtype)}{list(self.shape)}")
         return array
+
+
+def expert_layout_of(params: Mapping[str, object]) -> str | None:
+    """The `EXPERT_LAYOUTS` name the expert tensors of `{path: LazyTensor}` were read in (the first
+    found), or None when no expert tensor was read from an HF file."""
+    names = {t.name: layout for layout, t in EXPERT_LAYOUTS.items()}
+    for value in params.values():
+        if isinstance(value, LazyTensor) and value.transform in names:
+            return names[value.transform]
+    return None
 
 
 def as_lazy(value, source: str = "") -> LazyTensor:

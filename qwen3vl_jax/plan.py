@@ -202,7 +202,7 @@ class Plan:
     @property
     def rows_per_device(self) -> int:
         """Batch rows per device: split over data x fsdp when they divide it, else all of them."""
-        dp = self.mesh["data"] * self.mesh["fsdp"]
+        dp = math.prod(self.mesh[a] for a in BATCH)
         return self.batch // dp if self.batch % dp == 0 else self.batch
 
     @property
@@ -381,20 +381,23 @@ def smallest_mesh(config_or_preset, batch: int = 1, context: int = 4096, train: 
                   device_memory, max_devices: int = 512, **kwargs) -> Plan | None:
     """The plan on the fewest devices (powers of two) that fits `device_memory`, or None.
 
-    For each device count, every `fsdp x tensor` split the model allows (data = 1: replicas only
-    add memory) is planned and the one with the smallest total kept.
+    For each device count, every `expert x fsdp x tensor` split the model allows (data = 1:
+    replicas only add memory; `expert` > 1 only for MoE models) is planned and the one with the
+    smallest total kept.
     """
+    config, _ = _config(config_or_preset)
     n = 1
     while n <= max_devices:
         best = None
-        for tp in _divisors(n):
-            try:
-                candidate = plan(config_or_preset, f"fsdp={n // tp},tensor={tp}", batch, context, train,
-                                 device_memory=device_memory, **kwargs)
-            except ShardingError:
-                continue
-            if best is None or candidate.total_bytes < best.total_bytes:
-                best = candidate
+        for ep in _divisors(n) if config.text.is_moe else (1,):
+            for tp in _divisors(n // ep):
+                try:
+                    candidate = plan(config_or_preset, f"expert={ep},fsdp={n // ep // tp},tensor={tp}", batch,
+                                     context, train, device_memory=device_memory, **kwargs)
+                except ShardingError:
+                    continue
+                if best is None or candidate.total_bytes < best.total_bytes:
+                    best = candidate
         if best is not None and best.fits:
             return best
         n *= 2
@@ -518,7 +521,7 @@ def _compile_steps(request: dict) -> dict:
     mesh = make_mesh(sizes)
     dtype, param_dtype = jnp.dtype(request["dtype"]), jnp.dtype(request["param_dtype"])
     sds = jax.ShapeDtypeStruct
-    dp = sizes["data"] * sizes["fsdp"]
+    dp = math.prod(sizes[a] for a in BATCH)
     replicated = NamedSharding(mesh, P())
 
     def batched(shape, dt, dim=0):

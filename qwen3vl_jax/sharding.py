@@ -1,7 +1,12 @@
-"""Sharding over a device mesh: axes `data`, `fsdp` and `tensor`, one rule per parameter.
+"""Sharding over a device mesh: axes `data`, `expert`, `fsdp` and `tensor`, one rule per parameter.
 
 - **Mesh.** `make_mesh("data=2,tensor=4")` (axes not named have size 1; one may be `-1`, the
-  rest of the devices). Every mesh has the three axes, so one partitioning serves every shape.
+  rest of the devices). Every mesh has the four axes, so one partitioning serves every shape.
+- **Experts.** The MoE models' expert tensors `[E, ...]` are split over `expert` (expert
+  parallelism: each device holds E / n experts) and their hidden dimension over `fsdp`. Outside the
+  experts, `expert` is one more data-parallel axis (the batch is split over `data` x `expert` x
+  `fsdp`); `moe.py` runs the experts under `shard_map` (gather the tokens of the expert group,
+  compute the rows routed to the local experts, reduce-scatter the sums back).
 - **Parameters.** Each parameter's layout is its converter rule's `spec` (`convert.RULES`: heads
   and MLP columns over `tensor`, the other weight dimension over `fsdp`; norms, biases of
   row-split projections and the mergers replicated). The vision tower is replicated by default
@@ -34,15 +39,15 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .config import Qwen3VLConfig
-from .params import FSDP, TENSOR, dotted, partition_spec, stacked_prefix, stacked_stacks
+from .params import EXPERT, FSDP, TENSOR, dotted, partition_spec, stacked_prefix, stacked_stacks
 
 __all__ = ["AXES", "BATCH", "ShardingError", "make_mesh", "parse_mesh", "check_mesh", "param_spec",
            "param_shardings", "shard", "model_mesh", "use_mesh", "constrain", "initialize_distributed"]
 
 DATA = "data"
-AXES = (DATA, FSDP, TENSOR)
+AXES = (DATA, EXPERT, FSDP, TENSOR)
 """The mesh axes, in device order: `data` outermost, `tensor` innermost (the fastest links)."""
-BATCH = (DATA, FSDP)
+BATCH = (DATA, EXPERT, FSDP)
 """Activations' batch (and the vision tower's patch rows) are split over these together."""
 VISION_MODES = ("data", "tensor")
 
@@ -114,7 +119,8 @@ def _axis_sizes(mesh) -> dict[str, int]:
 
 
 def check_mesh(config: Qwen3VLConfig, mesh, *, vision: str = "data") -> None:
-    """Refuse a mesh whose `tensor` axis splits attention heads unevenly (names the parameter)."""
+    """Refuse a mesh whose `tensor` axis splits attention heads unevenly, or whose `expert` axis
+    splits the experts unevenly or is given to a dense model (names the parameter)."""
     if vision not in VISION_MODES:
         raise ShardingError(f"vision must be one of {VISION_MODES}, got {vision!r}")
     missing = [a for a in AXES if a not in mesh.axis_names]
@@ -129,6 +135,13 @@ def check_mesh(config: Qwen3VLConfig, mesh, *, vision: str = "data") -> None:
         heads.append(("visual.blocks.*.attn.qkv.kernel", "vision heads", config.vision.num_heads))
     problems = [f"{name}: {count} {what} cannot be split over mesh axis 'tensor' of size {tensor}"
                 for name, what, count in heads if count % tensor]
+    experts = _axis_sizes(mesh)[EXPERT]
+    if experts > 1 and not text.is_moe:
+        problems.append(f"mesh axis 'expert' of size {experts}: this model has no experts (a dense config); "
+                        "use data or fsdp")
+    elif experts > 1 and text.num_experts % experts:
+        problems.append(f"language_model.layers.*.mlp.experts: {text.num_experts} experts cannot be split over "
+                        f"mesh axis 'expert' of size {experts}")
     if problems:
         counts = sorted({count for _, _, count in heads})
         raise ShardingError("; ".join(problems) + f" (choose a tensor size that divides {counts})")

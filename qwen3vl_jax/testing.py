@@ -146,6 +146,8 @@ def random_params(config: Qwen3VLConfig, seed: int = 0, dtype=np.float32) -> dic
         leaf = path.rsplit(".", 1)[-1]
         if leaf == "kernel":
             value = rng.standard_normal(shape) / np.sqrt(shape[0])
+        elif leaf in ("gate_up_proj", "down_proj"):  # MoE experts [E, in, out]
+            value = rng.standard_normal(shape) / np.sqrt(shape[1])
         elif leaf == "bias":
             value = 0.02 * rng.standard_normal(shape)
         elif leaf in ("scale", "weight"):
@@ -171,6 +173,7 @@ def make_tiny_checkpoint(
     tie_word_embeddings: bool = False,
     rope_form: str = "v5",
     max_shard_bytes: int | None = None,
+    expert_layout: str = "released",
     vision: dict[str, Any] | None = None,
     text: dict[str, Any] | None = None,
     image_size: dict[str, int] | None = None,
@@ -184,6 +187,8 @@ def make_tiny_checkpoint(
       tie_word_embeddings: drop `lm_head.weight` and reuse the embeddings (as the 2B/4B do).
       rope_form: "v5" (`rope_parameters`) or "legacy" (`rope_theta` + `rope_scaling`).
       max_shard_bytes: if set, shard the weights (with `model.safetensors.index.json`).
+      expert_layout: MoE configs (`text={"num_experts": ...}`): the experts' HF layout, "released"
+        (`[E, H, 2I]`) or "module" (transformers 5's `[E, 2I, H]`).
       vision, text: overrides of `VisionConfig` / `TextConfig` fields.
       image_size, video_size: the processors' `size` ({"shortest_edge": min pixels,
         "longest_edge": max pixels}).
@@ -207,7 +212,7 @@ def make_tiny_checkpoint(
 
     # -- weights
     params = random_params(config, seed=seed)
-    tensors = {name: value.astype(np_dtype) for name, value in export_hf_tensors(params, config).items()}
+    tensors = {name: value.astype(np_dtype) for name, value in export_hf_tensors(params, config, expert_layout=expert_layout).items()}
     write_safetensors(tensors, directory, max_shard_bytes)
 
     # -- config

@@ -1,7 +1,8 @@
 """The Qwen3 decoder of Qwen3-VL in Flax NNX, with interleaved multimodal rotary (mRoPE).
 
 Each layer: RMSNorm -> GQA attention (q/k RMSNorm over head_dim before rotary) -> residual ->
-RMSNorm -> SwiGLU MLP -> residual. Rotary angles come from three position streams (t, h, w); of
+RMSNorm -> SwiGLU MLP (or, in the MoE models' sparse layers, the routed experts of `moe.MoEBlock`)
+-> residual. Rotary angles come from three position streams (t, h, w); of
 the head_dim/2 frequency channels, h takes channels 1, 4, 7, ... and w takes 2, 5, 8, ...
 (`mrope_section[1]` and `[2]` of them), t takes the rest (HF's interleaved layout).
 
@@ -29,6 +30,7 @@ from pallas_kernels.attention.mask import AttentionMask
 
 from .config import TextConfig
 from .layers import Linear, RMSNorm, apply_rotary, check_layers, make_stack, run_stack, segment_edges
+from .moe import MoEBlock
 from .pruning.llm import LLMPruning, compaction, gather_rows
 from .pruning.registry import get_method
 from .sharding import constrain
@@ -90,16 +92,19 @@ class TextOutput:
     `[N, B, L, E]` each layer's output before its deepstack addition (HF's record), when asked;
     attentions: `{layer: [B, H, L, S]}` the attention probabilities of the layers asked for;
     kept: with in-LLM pruning, per stage `[B, L_s]` the input position of each row of the stage's
-    layout (-1: padding); the last is the layout of `hidden`."""
+    layout (-1: padding); the last is the layout of `hidden`; router_logits: `[sparse layers, B*L,
+    experts]` the MoE routers' logits (HF's `output_router_logits`), when asked."""
 
     hidden: jax.Array
     cache: KVCache | None = None
     hidden_states: jax.Array | None = None
+    router_logits: jax.Array | None = None
     attentions: dict | None = None
     kept: tuple | None = None
 
 
-jax.tree_util.register_dataclass(TextOutput, data_fields=["hidden", "cache", "hidden_states", "attentions", "kept"],
+jax.tree_util.register_dataclass(TextOutput, data_fields=["hidden", "cache", "hidden_states", "router_logits",
+                                                          "attentions", "kept"],
                                  meta_fields=[])
 
 
@@ -160,24 +165,37 @@ class TextMLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: TextConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    """One decoder layer; `sparse`: routed experts (`moe.MoEBlock`) in place of the dense MLP."""
+
+    def __init__(self, config: TextConfig, *, sparse: bool = False, moe_implementation: str = "auto", dtype,
+                 param_dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.self_attn = TextAttention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
                                                 param_dtype=param_dtype)
-        self.mlp = TextMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.sparse = sparse
+        self.moe_implementation = moe_implementation
+        block = MoEBlock if sparse else TextMLP
+        self.mlp = block(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, mask: AttentionMask, cache=None, index=0, *, implementation: str = "xla",
                  return_weights: bool = False, weight_rows=None):
-        """`(x, cache)`: the layer's output and its updated `(keys, values)` (None without a cache);
-        `(x, cache, weights)` with `return_weights` (the attention probabilities `[B, H, L, S]`, or
-        `[B, H, 1, S]` of the query rows `weight_rows [B]`)."""
+        """`(x, cache, router logits)`: the layer's output, its updated `(keys, values)` (None without
+        a cache) and, in a sparse layer, its router's logits `[B*L, experts]` (else None); with
+        `return_weights`, `(x, cache, router logits, weights)`: the attention probabilities `[B, H,
+        L, S]`, or `[B, H, 1, S]` of the query rows `weight_rows [B]`."""
         attended, cache, weights = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, index,
                                                   implementation=implementation, return_weights=return_weights,
                                                   weight_rows=weight_rows)
         x = x + attended
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return (x, cache, weights) if return_weights else (x, cache)
+        normed = self.post_attention_layernorm(x)
+        router_logits = None
+        if self.sparse:
+            out, router_logits = self.mlp(normed, implementation=self.moe_implementation)
+        else:
+            out = self.mlp(normed)
+        x = x + out
+        return (x, cache, router_logits, weights) if return_weights else (x, cache, router_logits)
 
 
 def _at(x, index):
@@ -201,25 +219,37 @@ class TextModel(nnx.Module):
 
     `deepstack` (`[K, B, L, E]`, zero away from visual positions) is added to the hidden states
     after decoder layer k for k < K. `scan_layers` stacks the layers' parameters and runs them under
-    `lax.scan`; `remat` recomputes each layer in the backward pass.
+    `lax.scan` (all layers must then be of one kind: all dense or all sparse); `remat` recomputes
+    each layer in the backward pass. `moe_implementation`: the experts' grouped matmul
+    (`moe.MOE_IMPLEMENTATIONS`).
     """
 
     def __init__(self, config: TextConfig, *, dtype=jnp.float32, param_dtype=None, scan_layers: bool = False,
-                 remat: bool = False, rngs: nnx.Rngs):
+                 remat: bool = False, moe_implementation: str = "auto", rngs: nnx.Rngs):
         param_dtype = param_dtype or dtype
         self.config = config
         self.scan_layers = scan_layers
         self.remat = remat
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                                       param_dtype=param_dtype, rngs=rngs)
-        self.layers = make_stack(
-            lambda r: DecoderLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=r),
-            config.num_hidden_layers, scan_layers, rngs)
+        kw = dict(moe_implementation=moe_implementation, dtype=dtype, param_dtype=param_dtype)
+        if scan_layers:
+            if not config.uniform_layers:
+                raise ValueError(
+                    f"scan_layers=True needs decoder layers of one kind, but layers {list(config.sparse_layers)} "
+                    f"of {config.num_hidden_layers} are sparse (mlp_only_layers={list(config.mlp_only_layers)}, "
+                    f"decoder_sparse_step={config.decoder_sparse_step}); use scan_layers=False")
+            self.layers = make_stack(lambda r: DecoderLayer(config, sparse=config.is_moe, rngs=r, **kw),
+                                     config.num_hidden_layers, True, rngs)
+        else:
+            self.layers = nnx.List([DecoderLayer(config, sparse=config.is_sparse_layer(i), rngs=rngs, **kw)
+                                    for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
 
     def __call__(self, embeds, positions, mask: AttentionMask, deepstack=None, *, cache: KVCache | None = None,
                  cache_index=0, implementation: str = "xla", return_hidden_states: bool = False,
-                 return_attentions: tuple[int, ...] = (), pruning: LLMPruning | None = None) -> TextOutput:
+                 return_attentions: tuple[int, ...] = (), pruning: LLMPruning | None = None,
+                 return_router_logits: bool = False) -> TextOutput:
         """The decoder over `embeds [B, L, E]` at mRoPE `positions [3, B, L]`.
 
         Args:
@@ -237,14 +267,18 @@ class TextModel(nnx.Module):
             the rest of the stack (and its cache, from slot 0) holds only the kept tokens, at their
             positions; later deepstack additions follow the kept tokens (docs/pruning.md §11).
             `TextOutput.kept` then gives each stage's rows as positions of the input.
+          return_router_logits: collect the sparse layers' router logits (for the aux loss).
         """
+        config = self.config
+        return_router_logits = return_router_logits and config.is_moe
         count = self.config.num_hidden_layers
         attend = check_layers(return_attentions, count)
         boundaries = () if pruning is None else pruning.layers
         if pruning is not None:
-            if return_hidden_states:
-                raise ValueError("return_hidden_states cannot be combined with in-LLM pruning (the layers "
-                                 "hold different numbers of tokens); use return_attentions or the stages' kept rows")
+            if return_hidden_states or return_router_logits:
+                raise ValueError("return_hidden_states and return_router_logits cannot be combined with in-LLM "
+                                 "pruning (the layers hold different numbers of tokens); use return_attentions or "
+                                 "the stages' kept rows")
             if any(not 1 <= k < count for k in boundaries):
                 raise ValueError(f"in-LLM pruning method {pruning.method!r} drops at layers {list(boundaries)}, "
                                  f"but the model has {count} decoder layers (layers 1 .. {count - 1} can be pruned)")
@@ -269,27 +303,31 @@ class TextModel(nnx.Module):
             static = isinstance(index, int)
             want = static and (index in attend or index in scored)
             rows = ctx["rows"] if static and index in scored and index not in attend else None
-            x, layer_cache, *weights = layer(x, ctx["cos"], ctx["sin"], layer_mask, layer_cache, slot,
-                                             implementation=implementation, return_weights=want,
-                                             weight_rows=rows)
+            x, layer_cache, router_logits, *weights = layer(x, ctx["cos"], ctx["sin"], layer_mask, layer_cache,
+                                                            slot, implementation=implementation,
+                                                            return_weights=want, weight_rows=rows)
             x = constrain(x, "batch", None, None)  # the block boundary: batch over data x fsdp
             if keys is not None:
                 keys = lax.dynamic_update_index_in_dim(keys, layer_cache[0], index, 0)
                 values = lax.dynamic_update_index_in_dim(values, layer_cache[1], index, 0)
-            out = x
+            if return_router_logits and router_logits is None:  # a dense layer: dropped below
+                router_logits = jnp.zeros((x.shape[0] * x.shape[1], config.num_experts), x.dtype)
+            out = (x if return_hidden_states else None, router_logits if return_router_logits else None)
             level = _level(ctx["deepstack"], index)
             if level is not None:
                 x = x + level.astype(x.dtype)
             return (x, keys, values), (out, weights[0] if weights else None)
 
         carry = (embeds, None, None) if cache is None else (embeds, cache.keys, cache.values)
-        hidden, attentions, kept = [], {}, []
+        hidden, routers, attentions, kept = [], [], {}, []
         for start, stop in segment_edges(count, tuple(sorted(set(attend) | set(scored)))):
             carry, outs = run_stack(self.layers, step, carry, scan=self.scan_layers, remat=self.remat,
-                                    collect=return_hidden_states or start in attend or start in scored,
+                                    collect=return_hidden_states or return_router_logits or start in attend
+                                    or start in scored,
                                     start=start, stop=stop)
             if outs is not None:
-                hidden.append(outs[0])
+                hidden.append(outs[0][0])
+                routers.append(outs[0][1])
                 if start in attend:
                     attentions[start] = outs[1][0]
             if start in scored:
@@ -300,8 +338,12 @@ class TextModel(nnx.Module):
                 kept.append(ctx["origin"])
         x, keys, values = carry
         hidden = jnp.concatenate(hidden) if return_hidden_states else None
+        router_logits = jnp.concatenate(routers) if return_router_logits else None
+        if router_logits is not None and len(config.sparse_layers) < config.num_hidden_layers:
+            router_logits = router_logits[np.asarray(config.sparse_layers)]
         return TextOutput(self.norm(x), None if cache is None else KVCache(keys, values), hidden,
-                          attentions if attend else None, tuple(kept) if pruning is not None else None)
+                          router_logits=router_logits, attentions=attentions if attend else None,
+                          kept=tuple(kept) if pruning is not None else None)
 
     def _prune(self, carry, weights, ctx: dict, pruning: LLMPruning, stage: int):
         """Keep the stage's tokens: `carry`'s hidden states and `ctx`'s per-token arrays move to the next

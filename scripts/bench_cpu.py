@@ -1,7 +1,7 @@
 """CPU benchmark: our jitted JAX model against HF torch eager, same weights, same run.
 
     .venv/bin/python scripts/bench_cpu.py [--repeats 5] [--llm-layers 4] [--parts vision generate]
-        [--prompt-tokens 512] [--new-tokens 32]
+        [--prompt-tokens 512] [--new-tokens 32] [--moe]
 
 The model has the 2B preset's widths with random weights (the real architecture) and
 `--llm-layers` decoder layers. First the machine's limits are measured in the same run: XLA's FLOP
@@ -14,6 +14,10 @@ weight bytes read per token over the time, a fraction of the matrix-vector bandw
 in on-device chunks (`generate.DECODE_CHUNK` tokens per host synchronization) and, for comparison,
 one token per device call (`decode_chunk=1`, the per-token host loop). Prints median wall times of
 both sides and the ratio HF / ours (above 1 means we are faster). Writes nothing.
+
+`--moe`: the 30B-A3B widths instead (hidden 2048, 128 experts of width 768, top 8; HF's
+`Qwen3VLMoeForConditionalGeneration` beside ours); the decode bandwidth fraction then counts the
+weights a token actually reads: the attention, the router and its 8 active experts per layer.
 """
 
 from __future__ import annotations
@@ -43,22 +47,28 @@ def main(argv=None) -> None:
     parser.add_argument("--parts", nargs="+", choices=("vision", "generate"), default=["vision", "generate"])
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--moe", action="store_true", help="the 30B-A3B widths (routed experts) instead of 2B")
     args = parser.parse_args(argv)
 
     import jax
     import torch
-    from transformers import Qwen3VLForConditionalGeneration
+    import transformers
 
     from qwen3vl_jax import Qwen3VL, preset
 
     torch.manual_seed(0)
-    config = preset("2b").replace(text={"num_hidden_layers": args.llm_layers})
+    name = "30b-a3b" if args.moe else "2b"
+    config = preset(name)
+    # (fewer decoder layers than deepstack levels: keep the levels that still have a layer)
+    levels = config.vision.deepstack_visual_indexes[:args.llm_layers]
+    config = config.replace(text={"num_hidden_layers": args.llm_layers}, vision={"deepstack_visual_indexes": levels})
     print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}, "
           f"torch threads {torch.get_num_threads()}")
-    print(f"2B widths: vision depth {config.vision.depth}, hidden {config.vision.hidden_size}; "
+    print(f"{name} widths: vision depth {config.vision.depth}, hidden {config.vision.hidden_size}; "
           f"LLM layers kept {config.text.num_hidden_layers}")
+    hf_class = getattr(transformers, f"Qwen3VL{'Moe' if args.moe else ''}ForConditionalGeneration")
     with tempfile.TemporaryDirectory() as tmp:
-        hf = Qwen3VLForConditionalGeneration(config.to_hf_config()).eval()
+        hf = hf_class(config.to_hf_config()).eval()
         hf.save_pretrained(tmp)
         ours = Qwen3VL.from_pretrained(tmp)
 
@@ -135,13 +145,20 @@ def bench_vision(hf, ours, config, repeats: int, limits: dict) -> None:
 
 def decode_weight_bytes(model) -> int:
     """Parameter bytes one decode step reads: every decoder layer, the final norm and the LM head
-    (the embedding matrix when tied; one embedding row is negligible)."""
+    (the embedding matrix when tied; one embedding row is negligible); of a MoE layer's experts only
+    the `num_experts_per_tok` a token is routed to."""
     from qwen3vl_jax.params import canonical_params
 
     params = canonical_params(model)
+    text = model.config.text
     head = "language_model.embed_tokens.embedding" if model.config.tie_word_embeddings else "lm_head.kernel"
     names = [p for p in params if p.startswith(("language_model.layers.", "language_model.norm.")) or p == head]
-    return int(sum(params[p].size * params[p].dtype.itemsize for p in names))
+
+    def read(p):
+        share = text.num_experts_per_tok / text.num_experts if ".mlp.experts." in p else 1.0
+        return params[p].size * params[p].dtype.itemsize * share
+
+    return int(sum(read(p) for p in names))
 
 
 def bench_generate(hf, ours, config, args, limits: dict) -> None:

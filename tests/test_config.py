@@ -6,14 +6,20 @@ import json
 import os
 
 import pytest
-from transformers import Qwen3VLConfig as HFConfig
-from transformers import Qwen3VLForConditionalGeneration
+import transformers
 
 from qwen3vl_jax import PRESETS, Qwen3VL, Qwen3VLConfig, count_params, preset
 from qwen3vl_jax.config import ConfigError
 
 # Published sizes of the released checkpoints (billions, as on their model cards: 2B, 4B, 8B, 32B).
-PUBLISHED_BILLIONS = {"2b": (2.0, 2.3), "4b": (4.3, 4.6), "8b": (8.6, 8.9), "32b": (33.0, 33.6)}
+PUBLISHED_BILLIONS = {"2b": (2.0, 2.3), "4b": (4.3, 4.6), "8b": (8.6, 8.9), "32b": (33.0, 33.6),
+                      "30b-a3b": (30.5, 31.7), "235b-a22b": (234.0, 237.0)}
+
+
+def _hf_class(cfg: Qwen3VLConfig, kind: str):
+    """HF's config or model class for `cfg` (the MoE members have their own)."""
+    moe = "Moe" if cfg.text.is_moe else ""
+    return getattr(transformers, f"Qwen3VL{moe}{kind}")
 
 
 def _legacy_dict(cfg: Qwen3VLConfig) -> dict:
@@ -37,7 +43,7 @@ def test_sources_and_rope_forms_agree(name, tmp_path):
     assert Qwen3VLConfig.from_hf_config(str(path)) == cfg
     assert Qwen3VLConfig.from_hf_config(tmp_path) == cfg
     assert Qwen3VLConfig.from_hf_config(cfg.to_hf_config()) == cfg  # a transformers object
-    assert Qwen3VLConfig.from_hf_config(HFConfig(**legacy)) == cfg  # HF's own legacy handling
+    assert Qwen3VLConfig.from_hf_config(_hf_class(cfg, "Config")(**legacy)) == cfg  # HF's own legacy handling
 
 
 def test_hf_reads_our_config_as_written():
@@ -103,7 +109,7 @@ def test_full_size_parameter_count(name):
     cfg = PRESETS[name]
     ours = count_params(Qwen3VL.abstract(cfg))
     with torch.device("meta"):
-        hf = Qwen3VLForConditionalGeneration(cfg.to_hf_config())
+        hf = _hf_class(cfg, "ForConditionalGeneration")(cfg.to_hf_config())
     assert ours == sum(p.numel() for p in hf.parameters())
     low, high = PUBLISHED_BILLIONS[name]
     assert low * 1e9 < ours < high * 1e9

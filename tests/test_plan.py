@@ -88,7 +88,7 @@ def test_bad_meshes_name_the_axis_and_parameter():
         plan(_small_config(text=dict(num_attention_heads=12, num_key_value_heads=4)), "tensor=3")
     with pytest.raises(ShardingError, match=r"embed_tokens\.embedding: dimension 1 \(4096\).*'fsdp' of size"):
         plan("8b", "fsdp=3")
-    assert plan("8b", "fsdp=-1,tensor=2", devices=8).mesh == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert plan("8b", "fsdp=-1,tensor=2", devices=8).mesh == {"data": 1, "expert": 1, "fsdp": 4, "tensor": 2}
 
 
 def test_cli(capsys, tmp_path):

@@ -46,7 +46,7 @@ def _layer(layer, x, positions, level):
     """One decoder layer over a whole unpadded row, then its deepstack level; and its attention."""
     cos, sin = mrope_cos_sin(positions, layer.self_attn.config)
     n = x.shape[1]
-    x, _, weights = layer(x, cos, sin, AttentionMask.causal(jnp.zeros(1), jnp.full(1, n), n), None, 0,
+    x, _, _, weights = layer(x, cos, sin, AttentionMask.causal(jnp.zeros(1), jnp.full(1, n), n), None, 0,
                           implementation="xla", return_weights=True)
     return x + level, weights
 

@@ -146,7 +146,7 @@ def test_unknown_axis_and_bad_sizes_are_named():
 def test_indivisible_heads_name_the_parameter_and_axis():
     from qwen3vl_jax.config import PRESETS
 
-    mesh = jax.sharding.AbstractMesh((1, 1, 3), ("data", "fsdp", "tensor"))
+    mesh = jax.sharding.AbstractMesh((1, 1, 1, 3), ("data", "expert", "fsdp", "tensor"))
     with pytest.raises(ShardingError, match=r"k_proj.*8 kv heads.*'tensor' of size 3"):
         check_mesh(PRESETS["8b"], mesh)
     with pytest.raises(ShardingError, match=r"q_proj\.kernel: dimension 1 \(4096\).*'tensor' of size 3"):

@@ -128,7 +128,7 @@ def attention_weights(q, k, mask: AttentionMask):
 
 
 # The mesh convention of the model (`qwen3vl_jax.sharding`): batch over these axes, heads over this one.
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = ("data", "expert", "fsdp")
 HEAD_AXIS = "tensor"
 
 

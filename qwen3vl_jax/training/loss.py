@@ -34,9 +34,10 @@ from flax import nnx
 from pallas_kernels._shapes import pow2_at_least
 
 from ..model import MODEL_INPUTS
+from ..moe import load_balancing_loss
 from .labels import IGNORE_INDEX
 
-__all__ = ["causal_lm_loss", "shift_labels", "chunked_cross_entropy", "COMPILE_COUNTS"]
+__all__ = ["causal_lm_loss", "shift_labels", "chunked_cross_entropy", "summed_token_loss", "COMPILE_COUNTS"]
 
 COMPILE_COUNTS: collections.Counter = collections.Counter()
 """Traces of the jitted loss ("loss"); incremented at trace time only."""
@@ -76,12 +77,28 @@ def chunked_cross_entropy(hidden: jnp.ndarray, targets: jnp.ndarray, project, ch
     return total, jnp.sum(targets != IGNORE_INDEX)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size"))
-def _loss_from_inputs(graphdef, state, inputs, labels, *, chunk_size):
+def summed_token_loss(model, inputs, labels, chunk_size: int, router_aux_loss_coef: float = 0.0):
+    """`(sum of the token losses, number of supervised tokens)` of prepared `inputs`.
+
+    `router_aux_loss_coef > 0` (MoE models): the routers' load-balancing loss (`moe.load_balancing_loss`
+    over the real tokens), times the coefficient, is added once per token, so that the mean is HF's
+    `loss + router_aux_loss_coef * aux_loss` (`output_router_logits=True`).
+    """
+    aux = router_aux_loss_coef > 0 and model.config.text.is_moe
+    out = model.forward_hidden(inputs, return_router_logits=aux)
+    total, count = chunked_cross_entropy(out.hidden, shift_labels(labels), model.logits, chunk_size)
+    if aux:
+        balance = load_balancing_loss(out.router_logits, model.config.text.num_experts_per_tok,
+                                      inputs.attention_mask.reshape(-1))
+        total = total + router_aux_loss_coef * balance * count.astype(jnp.float32)
+    return total, count
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size", "router_aux_loss_coef"))
+def _loss_from_inputs(graphdef, state, inputs, labels, *, chunk_size, router_aux_loss_coef=0.0):
     COMPILE_COUNTS["loss"] += 1
     model = nnx.merge(graphdef, state)
-    hidden = model.forward_hidden(inputs).hidden
-    total, count = chunked_cross_entropy(hidden, shift_labels(labels), model.logits, chunk_size)
+    total, count = summed_token_loss(model, inputs, labels, chunk_size, router_aux_loss_coef)
     return total / jnp.maximum(count, 1).astype(jnp.float32)
 
 
@@ -95,7 +112,8 @@ def _pad_visual_rows(inputs):
                                deepstack=jnp.pad(inputs.deepstack, ((0, 0), (0, pad), (0, 0))))
 
 
-def causal_lm_loss(model, batch, chunk_size: int = 1024, vision_encoder=None) -> jnp.ndarray:
+def causal_lm_loss(model, batch, chunk_size: int = 1024, vision_encoder=None, router_aux_loss: bool = False
+                   ) -> jnp.ndarray:
     """Mean next-token cross-entropy over the supervised tokens, a float32 scalar.
 
     Args:
@@ -105,6 +123,8 @@ def causal_lm_loss(model, batch, chunk_size: int = 1024, vision_encoder=None) ->
       chunk_size: tokens per LM-head call (memory, not numerics: any value gives the same loss).
       vision_encoder: as in `Qwen3VL.prepare_inputs`, e.g. `EncoderRunner(model, budgets=
         data.encoder_budgets()).encode` so the vision tower runs at a fixed set of budgets.
+      router_aux_loss: MoE models: add `router_aux_loss_coef` x the routers' load-balancing loss
+        (HF's loss with `output_router_logits=True`).
     A pure function of `(model, batch)`: the host-side bookkeeping (mRoPE positions, placeholder
     checks) reads only the batch, so `nnx.grad(causal_lm_loss)(model, batch)` differentiates the
     parameters.
@@ -119,4 +139,5 @@ def causal_lm_loss(model, batch, chunk_size: int = 1024, vision_encoder=None) ->
                                   vision_encoder=vision_encoder)
     inputs = _pad_visual_rows(inputs)
     graphdef, state = nnx.split(model)
-    return _loss_from_inputs(graphdef, state, inputs, labels, chunk_size=chunk_size)
+    coef = float(model.config.text.router_aux_loss_coef) if router_aux_loss else 0.0
+    return _loss_from_inputs(graphdef, state, inputs, labels, chunk_size=chunk_size, router_aux_loss_coef=coef)

@@ -31,13 +31,14 @@ import optax
 
 from ..checks import non_negative_int, positive_int, positive_number
 
-__all__ = ["PARTS", "OptimConfig", "build_optimizer", "learning_rate_schedule", "param_part",
+__all__ = ["PARTS", "OptimConfig", "build_optimizer", "learning_rate_schedule", "param_part", "is_frozen",
            "param_labels", "decays", "param_path"]
 
 PARTS: dict[str, tuple[str, ...]] = {
     "vision": ("visual.patch_embed", "visual.pos_embed", "visual.blocks"),
     "merger": ("visual.merger", "visual.deepstack_merger_list"),
     "language": ("language_model", "lm_head"),
+    "router": (),  # the MoE routers (`language_model.layers.N.mlp.gate`): a part of `language` of its own
 }
 
 FROZEN = "frozen"
@@ -87,7 +88,7 @@ class OptimConfig:
             raise ValueError(f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}")
-        if len(self.freeze) == len(PARTS):
+        if all(is_frozen(part, self.freeze) for part in PARTS):
             raise ValueError("every part is frozen: nothing would train")
 
     def peak(self, part: str) -> float:
@@ -110,7 +111,9 @@ def param_path(key_path) -> str:
 
 
 def param_part(path: str) -> str:
-    """The part (`vision`, `merger`, `language`) a dotted parameter path belongs to."""
+    """The part (`vision`, `merger`, `language`, `router`) a dotted parameter path belongs to."""
+    if path.startswith("language_model.") and ".mlp.gate." in path:
+        return "router"
     for part, prefixes in PARTS.items():
         if any(path == p or path.startswith(p + ".") for p in prefixes):
             return part
@@ -123,11 +126,16 @@ def decays(path: str) -> bool:
     return names[-1] != "bias" and not any("norm" in n for n in names[:-1])
 
 
+def is_frozen(part: str, freeze: tuple[str, ...]) -> bool:
+    """Whether `part` is frozen by `freeze` (freezing `language` freezes its routers too)."""
+    return part in freeze or (part == "router" and "language" in freeze)
+
+
 def param_labels(params, freeze: tuple[str, ...] = ()):
     """The tree of part names for `params` (`frozen` for the frozen parts)."""
     def label(key_path, _):
         part = param_part(param_path(key_path))
-        return FROZEN if part in freeze else part
+        return FROZEN if is_frozen(part, freeze) else part
 
     return jax.tree_util.tree_map_with_path(label, params)
 
@@ -142,7 +150,7 @@ def learning_rate_schedule(peak: float, config: OptimConfig) -> optax.Schedule:
 
 def build_optimizer(config: OptimConfig) -> optax.GradientTransformation:
     """The optax transformation for `config`; its `init` / `update` take the parameter tree."""
-    trained = [p for p in PARTS if p not in config.freeze]
+    trained = [p for p in PARTS if not is_frozen(p, config.freeze)]
 
     def decay_mask(params):
         return jax.tree_util.tree_map_with_path(lambda kp, _: decays(param_path(kp)), params)

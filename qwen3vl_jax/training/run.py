@@ -45,7 +45,7 @@ from ..params import CheckpointError
 from ..processing import Qwen3VLProcessor
 from . import lora as lora_lib
 from .data import SFTDataset
-from .optim import PARTS, OptimConfig
+from .optim import PARTS, OptimConfig, is_frozen
 from .trainer import Trainer
 
 __all__ = ["RunCheckpoints", "RunLock", "TrainingDiverged", "check_run_config", "train", "read_metrics",
@@ -402,7 +402,7 @@ def finetune(*, model: str, data: str, out: str, lora_rank: int = 0, lora_alpha:
         if all(p in parts for p in lora_parts):
             raise ArgumentError(f"--freeze {','.join(parts)} freezes every part that gets LoRA adapters "
                                 f"({', '.join(lora_parts)}): nothing would train")
-    elif len(parts) == len(PARTS):
+    elif all(is_frozen(p, parts) for p in PARTS):
         raise ArgumentError("--freeze: every part is frozen: nothing would train")
     if not 0 <= warmup_steps < steps:
         raise ArgumentError(f"--warmup-steps must be below --steps, got {warmup_steps} and {steps}")

@@ -50,8 +50,8 @@ from ..checks import ArgumentError
 from ..model import MODEL_INPUTS
 from ..shapes import quarter_octave
 from ..sharding import use_mesh
-from .loss import chunked_cross_entropy, shift_labels
-from .optim import OptimConfig, build_optimizer, learning_rate_schedule, param_part, param_path
+from .loss import summed_token_loss
+from .optim import OptimConfig, build_optimizer, is_frozen, learning_rate_schedule, param_part, param_path
 
 __all__ = ["Trainer", "trainable_filter", "pad_vision", "COMPILE_COUNTS"]
 
@@ -68,7 +68,7 @@ def trainable_filter(freeze: tuple[str, ...] = ()):
         if not isinstance(value, nnx.Param):
             return False
         name = ".".join(str(k) for k in path)
-        return param_part(name) not in freeze
+        return not is_frozen(param_part(name), freeze)
 
     return keep
 
@@ -102,12 +102,15 @@ class Trainer:
       max_vision_tokens: merged vision tokens per micro-batch the pixels are padded to (default:
         the batch's `batch_size * vision bucket` when the batch carries a `bucket`, else the real count
         rounded up to `shapes.quarter_octave`: at most 25% padding, four sizes per doubling).
+      router_aux_loss: MoE models: add the routers' load-balancing loss times the config's
+        `router_aux_loss_coef` (HF's `output_router_logits=True`). A frozen router: `freeze`
+        patterns or a `trainable` filter that leave out `mlp.gate`.
       seed: the dropout keys (LoRA dropout) of micro-batch k of update s are `fold_in(fold_in(seed,
         s), k)`: a pure function of the step, so a resumed run draws the same masks.
     """
 
     def __init__(self, model, config: OptimConfig, *, trainable=None, chunk_size: int = 1024,
-                 max_vision_tokens: int | None = None, seed: int = 0):
+                 max_vision_tokens: int | None = None, seed: int = 0, router_aux_loss: bool = False):
         self.model = model
         self.config = config
         self.chunk_size = chunk_size
@@ -127,7 +130,7 @@ class Trainer:
         if not jax.tree.leaves(self._pure):
             raise ArgumentError("no trainable parameters: the filter selects nothing")
         parts = {param_part(param_path(path)) for path, _ in jax.tree_util.tree_flatten_with_path(self._pure)[0]}
-        if parts <= set(config.freeze):  # e.g. LoRA adapters only in frozen parts: AdamW would move nothing
+        if all(is_frozen(p, config.freeze) for p in parts):  # e.g. LoRA adapters only in frozen parts
             raise ArgumentError(f"nothing would train: every trainable variable is in a frozen part "
                                 f"({', '.join(sorted(parts))}; freeze={list(config.freeze)})")
         self._targets = _variables_in_order(model, self.trainable, self._pure)
@@ -135,10 +138,12 @@ class Trainer:
         self.opt_state = self.tx.init(self._pure)
         self.step_count = 0
         self._schedule = learning_rate_schedule(config.learning_rate, config)
-        self._grad = jax.jit(functools.partial(micro_step, self.graphdef, chunk_size), donate_argnums=(0,))
+        aux_coef = float(model.config.text.router_aux_loss_coef) if router_aux_loss else 0.0
+        self._grad = jax.jit(functools.partial(micro_step, self.graphdef, chunk_size, aux_coef=aux_coef),
+                             donate_argnums=(0,))
         self._update = jax.jit(functools.partial(apply_update, self.tx), donate_argnums=(0, 1))
         self._zeros = jax.jit(_zeros_like)
-        self._whole = jax.jit(functools.partial(_whole_step, self.graphdef, chunk_size, self.tx),
+        self._whole = jax.jit(functools.partial(_whole_step, self.graphdef, chunk_size, self.tx, aux_coef=aux_coef),
                               donate_argnums=(0, 1))
 
     @property
@@ -263,33 +268,32 @@ def _fresh_keys(keys, rng):
     return jax.tree_util.tree_unflatten(treedef, fresh)
 
 
-def _summed_loss_grads(graphdef, chunk_size, params, keys, rest, inputs, labels, rng):
+def _summed_loss_grads(graphdef, chunk_size, params, keys, rest, inputs, labels, rng, aux_coef=0.0):
     """`(grads, loss sum, token count)` of one micro-batch: the gradient of its summed token losses."""
     keys = nnx.State(_fresh_keys(keys, rng))
 
     def summed_loss(params):
         model = nnx.merge(graphdef, nnx.State(params), keys, rest)
-        hidden = model.forward_hidden(inputs).hidden
-        total, n = chunked_cross_entropy(hidden, shift_labels(labels), model.logits, chunk_size)
-        return total, n
+        return summed_token_loss(model, inputs, labels, chunk_size, aux_coef)
 
     (total, n), grads = jax.value_and_grad(summed_loss, has_aux=True)(params)
     return grads, total, n.astype(jnp.int32)
 
 
-def micro_step(graphdef, chunk_size, acc, params, keys, rest, inputs, labels, rng):
-    """Add this micro-batch's gradient of the summed token losses, its loss sum and token count."""
+def micro_step(graphdef, chunk_size, acc, params, keys, rest, inputs, labels, rng, *, aux_coef=0.0):
+    """Add this micro-batch's gradient of the summed token losses, its loss sum and token count
+    (`aux_coef`: the MoE routers' load-balancing loss, see `loss.summed_token_loss`)."""
     COMPILE_COUNTS["grad"] += 1
-    grads, total, n = _summed_loss_grads(graphdef, chunk_size, params, keys, rest, inputs, labels, rng)
+    grads, total, n = _summed_loss_grads(graphdef, chunk_size, params, keys, rest, inputs, labels, rng, aux_coef)
     acc_grads, acc_total, acc_count = acc
     return jax.tree.map(jnp.add, acc_grads, grads), acc_total + total, acc_count + n
 
 
-def _whole_step(graphdef, chunk_size, tx, params, opt_state, keys, rest, inputs, labels, rng):
+def _whole_step(graphdef, chunk_size, tx, params, opt_state, keys, rest, inputs, labels, rng, *, aux_coef=0.0):
     """One update from a single micro-batch in one program: no accumulator to zero and add to,
     and no second dispatch for the clip + AdamW update."""
     COMPILE_COUNTS["step"] += 1
-    grads, total, n = _summed_loss_grads(graphdef, chunk_size, params, keys, rest, inputs, labels, rng)
+    grads, total, n = _summed_loss_grads(graphdef, chunk_size, params, keys, rest, inputs, labels, rng, aux_coef)
     params, opt_state, norm = _apply(tx, params, opt_state, grads, n)
     return params, opt_state, total, n, norm
 

@@ -1,0 +1,242 @@
+"""The routed Mixture-of-Experts block of Qwen3-VL-30B-A3B / 235B-A22B (`Qwen3VLMoeTextSparseMoeBlock`).
+
+Per token: router logits `x @ gate` (`[E]`), softmax in float32, the top k experts, their weights
+renormalised to sum to one; each chosen expert is a SwiGLU `(silu(x Wg) * (x Wu)) Wd` of width I, and
+the block's output is the weighted sum of the k expert outputs. No shared expert, no capacity: no
+token is ever dropped.
+
+Experts run as a **grouped matmul** over the routed rows (a token's k choices are k rows) grouped by
+expert, never as a dense all-experts product. Two implementations of the same numbers:
+
+- `"ragged"`: rows sorted by expert, `lax.ragged_dot` with the group sizes (the spec; on a GPU XLA
+  lowers it to a grouped GEMM).
+- `"tiled"`: each expert's rows padded to a tile of `T` rows, and a loop over the tiles, each
+  multiplying its rows by its own expert's weights. FLOPs ~ (rows + experts x T) x H x I, weight
+  bytes read ~ the active experts'. XLA's CPU lowering of `ragged_dot` computes every expert for
+  every row (6.6 s against 34 ms for 128 experts, 4,096 rows, 2048 -> 768), so this is the CPU path.
+  Unused tail tiles are skipped (`lax.cond`). Differentiable by JAX's own rules.
+
+`"auto"` takes `"tiled"` on a CPU and `"ragged"` elsewhere.
+
+Parameters (our layout; the released checkpoints' layout, which `params.RULES` also reads in the
+transformers-5 module layout): `gate.kernel [H, E]`, `experts.gate_up_proj [E, H, 2I]` (gate columns
+first, then up), `experts.down_proj [E, I, H]`.
+
+Expert parallelism: under a mesh with an `expert` axis of size n > 1, `sharding.py` splits the
+experts' leading axis over it (and their hidden dimension over `fsdp`), and `expert_parallel` runs
+the experts under `shard_map`: each device all-gathers its experts' `fsdp` slices and the tokens
+of its expert group (the n devices along `expert`), computes only the rows routed to its E / n
+experts, and a reduce-scatter over `expert` sums the partial outputs back onto the devices that
+hold the tokens. The exchange is an all-gather plus a reduce-scatter of the group's activations
+(n x the bytes of an all-to-all dispatch, with no capacity and no dropped token); the router runs
+outside, on the batch-split tokens.
+
+Axes: T tokens, H hidden, E experts, K chosen experts per token, I expert width, M = T*K routed rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from .config import TextConfig
+from .layers import Linear
+from .params import EXPERT, FSDP
+from .sharding import BATCH
+
+__all__ = ["MOE_IMPLEMENTATIONS", "Routing", "route", "expert_ffn", "expert_parallel", "tile_rows", "MoEBlock",
+           "load_balancing_loss"]
+
+MOE_IMPLEMENTATIONS = ("auto", "ragged", "tiled")
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """The router's decision for T tokens: `logits [T, E]` (as computed, for the aux loss),
+    `experts [T, K]` int32 and their renormalised `weights [T, K]` (in the logits' dtype)."""
+
+    logits: jax.Array
+    experts: jax.Array
+    weights: jax.Array
+
+
+def route(logits: jax.Array, k: int) -> Routing:
+    """Softmax in float32, top k, renormalised (HF's `Qwen3VLMoeTextTopKRouter`)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top, experts = lax.top_k(probs, k)
+    top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return Routing(logits, experts.astype(jnp.int32), top.astype(logits.dtype))
+
+
+def _swiglu(x, gate_up, down):
+    """One expert's (or a batch of rows') SwiGLU: `x [R, H]`, `gate_up [H, 2I]`, `down [I, H]`."""
+    h = jnp.dot(x, gate_up.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    gate, up = jnp.split(h, 2, axis=-1)
+    return jnp.dot(jax.nn.silu(gate) * up, down.astype(x.dtype),
+                   preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def tile_rows(rows: int, experts: int) -> int:
+    """The tile height of the `"tiled"` path for `rows` routed rows (static): 1 while rows are few
+    (decoding: each row multiplies only its own expert's weights), else the largest power of two
+    up to 128 that keeps the padding (at most `experts` x (T - 1) rows) under half the rows."""
+    if rows < 4 * experts:
+        return 1
+    return min(128, 1 << int(math.log2(rows // (2 * experts))))
+
+
+def _ragged_ffn(x, experts, gate_up, down, local):
+    """Rows `x [M, H]` routed to `experts [M]` through a sorted `lax.ragged_dot`; rows whose expert
+    is not in `local` (a [first, count) range of the experts) give zeros."""
+    first, count = local
+    local_id = experts - first
+    outside = (local_id < 0) | (local_id >= count)
+    key = jnp.where(outside, count, local_id)  # outsiders sort last, past every group
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.bincount(key, length=count + 1)[:count].astype(jnp.int32)
+    h = lax.ragged_dot(x[order], gate_up.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
+    gate, up = jnp.split(h.astype(x.dtype), 2, axis=-1)
+    y = lax.ragged_dot(jax.nn.silu(gate) * up, down.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
+    return jnp.zeros_like(x).at[order].set(y.astype(x.dtype))
+
+
+def _tiled_ffn(x, experts, gate_up, down, local):
+    """The same rows through a loop over expert tiles (see the module docstring)."""
+    first, count = local
+    rows = x.shape[0]
+    tile = tile_rows(rows, count)
+    local_id = experts - first
+    outside = (local_id < 0) | (local_id >= count)
+    key = jnp.where(outside, count, local_id)
+    sizes = jnp.bincount(key, length=count + 1)[:count]
+    tiles_per_expert = (sizes + tile - 1) // tile
+    tile_end = jnp.cumsum(tiles_per_expert)  # [count]
+    tile_start = tile_end - tiles_per_expert
+    row_start = jnp.cumsum(sizes) - sizes
+    # Each row's rank within its expert's group (stable), hence its slot in the padded buffer.
+    order = jnp.argsort(key, stable=True)
+    rank = jnp.zeros(rows, jnp.int32).at[order].set(jnp.arange(rows, dtype=jnp.int32))
+    safe = jnp.minimum(key, count - 1)
+    slot = tile_start[safe] * tile + rank - row_start[safe]
+    n_tiles = -(-(rows + min(count, rows) * (tile - 1)) // tile)  # sum of ceil(size / T), at most
+    slot = jnp.where(outside, n_tiles * tile, slot)  # outsiders land out of bounds: dropped
+    padded = jnp.zeros((n_tiles * tile, x.shape[1]), x.dtype).at[slot].set(x, mode="drop")
+    tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right"), count - 1)
+    used = tile_end[-1]
+
+    def one_tile(args):
+        index, rows_t, expert = args
+        return lax.cond(index < used, lambda: _swiglu(rows_t, gate_up[expert], down[expert]),
+                        lambda: jnp.zeros_like(rows_t))
+
+    out = lax.map(one_tile, (jnp.arange(n_tiles), padded.reshape(n_tiles, tile, -1), tile_expert))
+    return out.reshape(n_tiles * tile, -1).at[slot].get(mode="fill", fill_value=0)
+
+
+def expert_ffn(x, routing: Routing, gate_up, down, *, implementation: str = "auto", local=None):
+    """`x [T, H]` through each token's chosen experts, combined by the routing weights -> `[T, H]`.
+
+    `gate_up [E', H, 2I]`, `down [E', I, H]` hold the experts `local = (first, E')` (default: all);
+    choices of other experts contribute nothing (expert parallelism sums the devices' parts).
+    """
+    if implementation not in MOE_IMPLEMENTATIONS:
+        raise ValueError(f"moe implementation must be one of {MOE_IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation == "auto":
+        implementation = "tiled" if jax.default_backend() == "cpu" else "ragged"
+    tokens, k = routing.experts.shape
+    local = (0, gate_up.shape[0]) if local is None else local
+    rows = jnp.repeat(x, k, axis=0)  # row t*K + j is token t's j-th choice
+    ffn = _tiled_ffn if implementation == "tiled" else _ragged_ffn
+    y = ffn(rows, routing.experts.reshape(-1), gate_up, down, local)
+    weights = routing.weights.astype(jnp.float32)[..., None]
+    return jnp.sum(y.reshape(tokens, k, -1).astype(jnp.float32) * weights, axis=1).astype(x.dtype)
+
+
+def _expert_axis_size() -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or EXPERT not in mesh.axis_names:
+        return 1
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))[EXPERT]
+
+
+def expert_parallel(x, routing: Routing, gate_up, down, *, implementation: str = "auto"):
+    """`expert_ffn` under the current mesh's `expert` axis (see the module docstring); `x [T, H]`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    n, experts = sizes[EXPERT], gate_up.shape[0]
+    local = experts // n
+    split = x.shape[0] % math.prod(sizes[a] for a in BATCH) == 0  # tokens split over the batch axes
+    tokens = P(BATCH) if split else P()
+    gather_fsdp = sizes[FSDP] > 1 and gate_up.shape[1] % sizes[FSDP] == 0
+
+    def body(x, chosen, weights, gate_up, down):
+        if gather_fsdp:
+            gate_up = lax.all_gather(gate_up, FSDP, axis=1, tiled=True)
+            down = lax.all_gather(down, FSDP, axis=2, tiled=True)
+        if split:
+            x, chosen, weights = (lax.all_gather(a, EXPERT, axis=0, tiled=True) for a in (x, chosen, weights))
+        first = lax.axis_index(EXPERT) * local
+        y = expert_ffn(x, Routing(None, chosen, weights), gate_up, down, implementation=implementation,
+                       local=(first, local))
+        if split:
+            return lax.psum_scatter(y, EXPERT, scatter_dimension=0, tiled=True)
+        return lax.psum(y, EXPERT)
+
+    weight_specs = (P(EXPERT, FSDP, None), P(EXPERT, None, FSDP)) if gather_fsdp else (P(EXPERT), P(EXPERT))
+    return jax.shard_map(body, in_specs=(tokens, tokens, tokens, *weight_specs), out_specs=tokens,
+                         check_vma=False)(x, routing.experts, routing.weights, gate_up, down)
+
+
+class MoEBlock(nnx.Module):
+    """Router + routed experts, in place of a decoder layer's dense MLP."""
+
+    def __init__(self, config: TextConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.top_k = config.num_experts_per_tok
+        self.dtype = dtype
+        self.gate = Linear(h, e, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.experts = Experts(e, h, i, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, *, implementation: str = "auto"):
+        """`x [B, L, H]` -> `(out [B, L, H], router logits [B*L, E])`."""
+        b, length, h = x.shape
+        flat = x.reshape(b * length, h)
+        routing = route(self.gate(flat), self.top_k)
+        run = expert_parallel if _expert_axis_size() > 1 else expert_ffn
+        out = run(flat, routing, self.experts.gate_up_proj[...], self.experts.down_proj[...],
+                  implementation=implementation)
+        return out.reshape(b, length, h), routing.logits
+
+
+class Experts(nnx.Module):
+    """The fused expert weights of one layer (`Qwen3VLMoeTextExperts`)."""
+
+    def __init__(self, experts: int, hidden: int, width: int, *, param_dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
+        self.gate_up_proj = nnx.Param(init(rngs.params(), (experts, hidden, 2 * width), param_dtype))
+        self.down_proj = nnx.Param(init(rngs.params(), (experts, width, hidden), param_dtype))
+
+
+def load_balancing_loss(router_logits, k: int, mask=None) -> jax.Array:
+    """HF's `load_balancing_loss_func` (Switch Transformer): `E * sum_e f_e * P_e` over all sparse
+    layers' rows together, f_e the share of top-k assignments to expert e, P_e its mean router
+    probability; padding rows (`mask [B*L]` False) excluded.
+
+    `router_logits`: `[layers, B*L, E]` (or a sequence of `[B*L, E]`).
+    """
+    logits = jnp.stack(list(router_logits)) if not isinstance(router_logits, jax.Array) else router_logits
+    experts = logits.shape[-1]
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # [N, R, E]
+    _, chosen = lax.top_k(probs, k)
+    counts = jnp.sum(jax.nn.one_hot(chosen, experts, dtype=jnp.float32), axis=-2)  # [N, R, E]
+    weight = jnp.ones(logits.shape[1], jnp.float32) if mask is None else jnp.asarray(mask, jnp.float32).reshape(-1)
+    rows = weight.sum() * logits.shape[0]
+    tokens_per_expert = jnp.einsum("nre,r->e", counts, weight) / rows
+    prob_per_expert = jnp.einsum("nre,r->e", probs, weight) / rows
+    return experts * jnp.sum(tokens_per_expert * prob_per_expert)
