@@ -52,6 +52,7 @@ from flax import nnx
 
 from pallas_kernels.attention.mask import AttentionMask
 
+from . import pruning as pruning_lib
 from .shapes import Buckets
 from .text import KVCache
 
@@ -65,6 +66,7 @@ __all__ = [
     "warp_logits",
     "select_tokens",
     "warmup",
+    "decode_layout",
     "DECODE_CHUNK",
 ]
 
@@ -183,9 +185,12 @@ def _embed(graphdef, state, inputs):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "slots", "do_sample"))
-def prefill(graphdef, state, embeds, deepstack, positions, attention_mask, key, temperature, top_k, top_p, *,
-             slots, do_sample):
-    """Prompt pass over the (left-padded) bucket: (first tokens [B], logits [B, V], a fresh KVCache)."""
+def prefill(graphdef, state, embeds, deepstack, positions, attention_mask, key, temperature, top_k, top_p,
+            pruning=None, *, slots, do_sample):
+    """Prompt pass over the (left-padded) bucket: (first tokens [B], logits [B, V], a fresh KVCache).
+
+    With an in-LLM pruning plan (`pruning.LLMPruning`, right-aligned), the layers of each stage write
+    only its kept tokens, from slot 0 (`decode_layout` says where each layer's rows are)."""
     COMPILE_COUNTS["prefill"] += 1
     model = nnx.merge(graphdef, state)
     lm = model.language_model
@@ -194,7 +199,7 @@ def prefill(graphdef, state, embeds, deepstack, positions, attention_mask, key, 
     starts = length - jnp.sum(attention_mask, axis=1, dtype=jnp.int32)  # left padding: real tokens end the row
     mask = AttentionMask.causal(starts, jnp.full((b,), length, jnp.int32), length)
     out = lm(embeds, positions, mask, deepstack, cache=cache, cache_index=0,
-             implementation=model.attention_implementation)
+             implementation=model.attention_implementation, pruning=pruning)
     logits = model.logits(out.hidden[:, -1])
     tokens = select_tokens(logits, jax.random.fold_in(key, 0), temperature, top_k, top_p, do_sample=do_sample)
     return tokens, logits, out.cache
@@ -220,7 +225,8 @@ def _decode_chunk(graphdef, state, decode: _DecodeState, prompt_starts, bucket, 
                   pad_id, key, temperature, top_k, top_p, *, chunk, do_sample):
     """Up to `chunk` decode steps on the device, stopping early at `limit` tokens or when every row
     has finished. Step t feeds the token emitted at t - 1 into cache slot `bucket + t - 1` at position
-    `first_position + t - 1` (`[3, B]`). Returns (state, tokens `[B, chunk]`, tokens made)."""
+    `first_position + t - 1` (`[3, B]`). After an in-LLM pruned prefill `prompt_starts` is `[N, B]`
+    and `bucket` `[N]`, one per layer (`decode_layout`). Returns (state, tokens `[B, chunk]`, tokens made)."""
     COMPILE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, state)
     lm = model.language_model
@@ -231,7 +237,11 @@ def _decode_chunk(graphdef, state, decode: _DecodeState, prompt_starts, bucket, 
         index = bucket + decode.step - 1
         x = lm.embed_tokens(decode.tokens[:, None])
         positions = (first_position + decode.step - 1)[:, :, None]  # [3, B, 1]
-        mask = AttentionMask.causal(prompt_starts, jnp.full((batch,), index + 1, jnp.int32), 1, offset=index)
+        if prompt_starts.ndim == 2:  # one cache layout per layer: [N, B, 1] fields, index [N]
+            mask = AttentionMask(prompt_starts[:, :, None],
+                                 jnp.broadcast_to((index + 1)[:, None, None], prompt_starts.shape + (1,)))
+        else:
+            mask = AttentionMask.causal(prompt_starts, jnp.full((batch,), index + 1, jnp.int32), 1, offset=index)
         result = lm(x, positions, mask, None, cache=decode.cache, cache_index=index,
                     implementation=model.attention_implementation)
         logits = model.logits(result.hidden[:, 0])
@@ -271,6 +281,25 @@ def _pad_left(inputs, bucket: int, pad_id: int):
         positions=pad(inputs.positions, 0),
         visual_index=pad(inputs.visual_index, -1),
     )
+
+
+def decode_layout(plan, real, num_layers: int, bucket: int):
+    """Where each layer's prompt rows sit in the cache after an in-LLM pruned prefill (host numpy).
+
+    Args:
+      plan: the batch's `pruning.LLMPruning` (right-aligned). real: `[B]` real prompt tokens per row.
+    Returns:
+      `(starts [N, B], lengths [N])`: layer n's rows of row b occupy slots `[starts, lengths)`; layers
+      before the first stage hold the whole bucket, a stage's layers its `lengths[s]` slots.
+    """
+    visual = np.asarray(plan.visual).sum(axis=1)
+    keep = np.asarray(plan.keep)
+    lengths = np.full(num_layers, bucket, np.int64)
+    starts = np.broadcast_to(bucket - np.asarray(real), (num_layers, len(real))).copy()
+    for s, layer in enumerate(plan.layers):
+        lengths[layer:] = plan.lengths[s]
+        starts[layer:] = plan.lengths[s] - (np.asarray(real) - visual + keep[s])
+    return starts.astype(np.int32), lengths.astype(np.int32)
 
 
 def _generation_positions(inputs):
@@ -340,6 +369,8 @@ def generate(
     decode_chunk: int = DECODE_CHUNK,
     timings: dict | None = None,
     video_pruning: tuple[str, float] | None = None,
+    llm_pruning=None,
+    image_pruning: tuple[str, float] | None = None,
     vision_encoder=None,
     video_timestamps=None,
     video_metadata=None,
@@ -364,7 +395,11 @@ def generate(
       callback: called as `callback(t, tokens [B])` for each generated position t (streaming; the
         tokens of a decode chunk arrive together); finished rows carry the pad id.
       min_bucket: the smallest prompt bucket. decode_chunk: decode steps per device call.
-      video_pruning, vision_encoder: as `Qwen3VL.prepare_inputs` (pruned video prompts; a bucketed encoder).
+      video_pruning, image_pruning, vision_encoder: as `Qwen3VL.prepare_inputs` (pruned video and image
+        prompts; a bucketed encoder).
+      llm_pruning: an in-LLM method, `("fastv", {"layer": 2, "rate": 0.5})` (docs/pruning.md §11):
+        the prefill drops vision tokens at its layers and the later layers' cache holds only the kept
+        ones; planned on the bucket, so prefill compiles once per (bucket, stage lengths).
       video_timestamps, video_metadata: processor outputs that generation does not need (accepted).
       timings: if a dict, filled with wall seconds per stage (each stage synchronized):
         "prepare" (host bookkeeping + vision encoder), "prefill", "decode", and "new_tokens".
@@ -373,6 +408,7 @@ def generate(
       than max_new_tokens only when every row has hit an EOS id.
     """
     _check_arguments(max_new_tokens, do_sample, temperature, top_k, top_p, rng, decode_chunk)
+    in_llm = pruning_lib.validate_llm_pruning(llm_pruning)
     ids = np.asarray(input_ids)
     mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
     if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
@@ -393,7 +429,7 @@ def generate(
     clock = _StageClock(timings)
     inputs = model.prepare_inputs(ids, mask, mm_token_type_ids, pixel_values, image_grid_thw,
                                   pixel_values_videos, video_grid_thw, video_pruning=video_pruning,
-                                  vision_encoder=vision_encoder)
+                                  vision_encoder=vision_encoder, image_pruning=image_pruning)
     clock.lap("prepare", inputs)
     inputs = _generation_positions(inputs)
     first_position = jnp.asarray(inputs.positions[:, :, -1] + 1, jnp.int32)  # [3, B]: HF's position_ids[..., -1:] + 1
@@ -401,11 +437,16 @@ def generate(
     inputs = _pad_left(inputs, bucket, pad_id)
     slots = cache_length(bucket, max_new_tokens)
     graphdef, state = nnx.split(model)
+    plan, prompt_starts, cache_ends = None, jnp.asarray(bucket - mask.sum(axis=1), jnp.int32), jnp.int32(bucket)
+    if in_llm is not None:
+        plan = pruning_lib.plan_llm_pruning(inputs.attention_mask, np.asarray(inputs.visual_index) >= 0, *in_llm,
+                                            model.config.text.num_hidden_layers, bucket=bucket)
+        starts, ends = decode_layout(plan, mask.sum(axis=1), model.config.text.num_hidden_layers, bucket)
+        prompt_starts, cache_ends = jnp.asarray(starts), jnp.asarray(ends)
 
     embeds, deepstack = _embed(graphdef, state, inputs)
     tokens, _, cache = prefill(graphdef, state, embeds, deepstack, inputs.positions, inputs.attention_mask,
-                                rng, *sampling, slots=slots, do_sample=do_sample)
-    prompt_starts = jnp.asarray(bucket - mask.sum(axis=1), jnp.int32)
+                                rng, *sampling, plan, slots=slots, do_sample=do_sample)
     clock.lap("prefill", tokens)
 
     # A fixed number of EOS slots (-1 is no token id), so the EOS count does not change the compile.
@@ -419,7 +460,7 @@ def generate(
                           jnp.asarray(~np.isin(first, np.asarray(eos, np.int64))))
     while len(generated) < max_new_tokens and bool(np.asarray(decode.unfinished).any()):
         decode, chunk, made = _decode_chunk(
-            graphdef, state, decode, prompt_starts, jnp.int32(bucket), first_position, jnp.int32(max_new_tokens),
+            graphdef, state, decode, prompt_starts, cache_ends, first_position, jnp.int32(max_new_tokens),
             eos_ids, jnp.int32(pad_id), rng, *sampling, chunk=decode_chunk, do_sample=do_sample)
         chunk = np.asarray(chunk)[:, :int(made)].astype(np.int64)  # the chunk's one synchronization
         for column in chunk.T:
@@ -465,8 +506,8 @@ def warmup(model, *, batch_size: int = 1, buckets: Sequence[int] = (32, 64, 128,
         deepstack = jnp.zeros((levels, batch_size, bucket, cfg.hidden_size), dtype) if visual else None
         positions = jnp.zeros((3, batch_size, bucket), jnp.int32)
         mask = jnp.ones((batch_size, bucket), bool)
-        tokens, _, cache = prefill(graphdef, state, embeds, deepstack, positions, mask, key, *sampling,
-                                    slots=slots, do_sample=do_sample)
+        tokens, _, cache = prefill(graphdef, state, embeds, deepstack, positions, mask, key, *sampling, None,
+                                    slots=slots, do_sample=do_sample)  # as generate calls it
         decode = _DecodeState(cache, tokens, jnp.int32(1), jnp.ones((batch_size,), bool))
         _decode_chunk(graphdef, state, decode, jnp.zeros((batch_size,), jnp.int32), jnp.int32(bucket),
                       positions[:, :, 0], jnp.int32(2), jnp.full((EOS_SLOTS,), -1, jnp.int32), jnp.int32(0), key, *sampling,

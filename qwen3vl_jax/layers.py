@@ -20,10 +20,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 __all__ = ["Linear", "LayerNorm", "RMSNorm", "rotate_half", "apply_rotary", "make_stack", "run_stack",
-           "SCAN_MIN_DEPTH", "use_scan"]
+           "SCAN_MIN_DEPTH", "use_scan", "check_layers", "segment_edges"]
 
 
 Linear = nnx.Linear
@@ -86,13 +87,16 @@ def make_stack(factory: Callable[[nnx.Rngs], nnx.Module], count: int, scan: bool
     return create(rngs)
 
 
-def run_stack(blocks, step: Callable, carry, *, scan: bool, remat: bool = False, collect: bool = False):
-    """Run `carry = step(block, carry, index)` over the blocks; returns `(carry, outputs)`.
+def run_stack(blocks, step: Callable, carry, *, scan: bool, remat: bool = False, collect: bool = False,
+              start: int = 0, stop: int | None = None):
+    """Run `carry = step(block, carry, index)` over the blocks `[start, stop)`; returns `(carry, outputs)`.
 
     `step` returns `(carry, output)`; outputs (only when `collect`) are stacked along a new leading
     axis. `index` is a Python int when unrolled and a traced int32 under `lax.scan`, so a step can
-    branch statically when it can. `remat` recomputes each block's activations in the backward pass
-    (`jax.checkpoint` per block).
+    branch statically when it can. A stacked (`scan`) tower runs a range of several blocks under
+    `lax.scan` over the slice of its parameters, and a range of one block unrolled (a static index:
+    the way to treat one block specially, e.g. to return its attention). `remat` recomputes each
+    block's activations in the backward pass (`jax.checkpoint` per block).
     """
 
     def apply(graphdef, params, carry, index):
@@ -102,6 +106,14 @@ def run_stack(blocks, step: Callable, carry, *, scan: bool, remat: bool = False,
     if scan:
         graphdef, params = nnx.split(blocks)
         count = jax.tree.leaves(params)[0].shape[0]
+    else:
+        count = len(blocks)
+    stop = count if stop is None else stop
+    if not 0 <= start < stop <= count:
+        raise ValueError(f"block range [{start}, {stop}) is not inside the {count} blocks")
+    if scan and stop - start > 1:
+        if (start, stop) != (0, count):
+            params = jax.tree.map(lambda x: x[start:stop], params)
 
         def body(carry, xs):
             params_i, index = xs
@@ -109,13 +121,38 @@ def run_stack(blocks, step: Callable, carry, *, scan: bool, remat: bool = False,
 
         if remat:
             body = jax.checkpoint(body)
-        return jax.lax.scan(body, carry, (params, jnp.arange(count, dtype=jnp.int32)))
+        return jax.lax.scan(body, carry, (params, jnp.arange(start, stop, dtype=jnp.int32)))
     outputs = []
-    for index, block in enumerate(blocks):
-        graphdef, params = nnx.split(block)
+    for index in range(start, stop):
+        if scan:
+            block_def, block_params = graphdef, jax.tree.map(lambda x, i=index: x[i], params)
+        else:
+            block_def, block_params = nnx.split(blocks[index])
         fn = jax.checkpoint(apply, static_argnums=(0, 3)) if remat else apply
-        carry, out = fn(graphdef, params, carry, index)
+        carry, out = fn(block_def, block_params, carry, index)
         outputs.append(out)
     if not collect:
         return carry, None
     return carry, jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
+
+
+def check_layers(layers, count: int, what: str = "return_attentions", noun: str = "layer") -> tuple[int, ...]:
+    """The sorted distinct layer indices of `layers` (None, an int or a sequence of ints), each in
+    `[0, count)`; ValueError naming `what` otherwise."""
+    if layers is None:
+        return ()
+    items = (layers,) if isinstance(layers, (int, np.integer)) and not isinstance(layers, bool) else layers
+    try:
+        items = tuple(items)
+    except TypeError:
+        raise ValueError(f"{what} must be a {noun} index or a sequence of them, got {layers!r}") from None
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, (int, np.integer)) or not 0 <= item < count:
+            raise ValueError(f"{what}: {item!r} is not a {noun} index in [0, {count}) (the model has {count} {noun}s)")
+    return tuple(sorted({int(i) for i in items}))
+
+
+def segment_edges(count: int, single: tuple[int, ...]) -> list[tuple[int, int]]:
+    """`[0, count)` cut into ranges so that each index of `single` is a range of its own."""
+    edges = sorted({0, count} | {i for s in single for i in (s, s + 1)})
+    return list(zip(edges, edges[1:]))

@@ -41,7 +41,7 @@ from .config import Qwen3VLConfig
 from .convert import is_orbax_dir, orbax_expert_layout, plan_hf_params, restore_orbax, save_hf, save_orbax
 from .generate import GenerationConfig
 from .generate import generate as generate_tokens
-from .layers import Linear, use_scan
+from .layers import Linear, check_layers, use_scan
 from .mrope import get_rope_index
 from .params import canonical_params, count_params, expert_layout_of, fill_state, flat_paths, nest_paths, param_shapes
 from .sharding import check_mesh, constrain, make_mesh, param_shardings, shard, use_mesh
@@ -81,6 +81,7 @@ class MultimodalInputs:
     deepstack: `[K, N, E]` deepstack features, or None.
     pixel_values: `[P, C*T*p*p]` float32 patches of all images then videos, or None once encoded.
     vision: the tower's `VisionMetadata` for `pixel_values`, or None.
+    llm_pruning: an in-LLM pruning plan (`pruning.LLMPruning`) for this batch, or None.
     """
 
     input_ids: jnp.ndarray
@@ -92,12 +93,13 @@ class MultimodalInputs:
     deepstack: jnp.ndarray | None = None
     pixel_values: jnp.ndarray | None = None
     vision: VisionMetadata | None = None
+    llm_pruning: pruning_lib.LLMPruning | None = None
 
 
 jax.tree_util.register_dataclass(
     MultimodalInputs,
     data_fields=["input_ids", "attention_mask", "positions", "rope_deltas", "visual_index", "features", "deepstack",
-                 "pixel_values", "vision"],
+                 "pixel_values", "vision", "llm_pruning"],
     meta_fields=[],
 )
 
@@ -251,24 +253,30 @@ class Qwen3VL(nnx.Module):
 
     # ------------------------------------------------------------------ vision
 
-    def encode_vision(self, pixel_values, grid_thw, *, return_hidden_states: bool = False):
+    def encode_vision(self, pixel_values, grid_thw, *, return_hidden_states: bool = False,
+                      return_attentions=None):
         """Run the vision tower.
 
         Args:
           pixel_values: `[P, C*T*p*p]` (numpy or jax) patches, as the processor emits them.
           grid_thw: `[n, 3]` integer (t, h, w) in patches per image / video.
           return_hidden_states: also return each block's `[P, E]` output (`[depth, P, E]`).
+          return_attentions: a block index or indices: also return those blocks' attention
+            probabilities `{block: [H, P, P]}` (over the packed patches, in the processor's row order;
+            zero between different frames or items). Only those blocks materialize them.
         Returns:
-          `(merged [N, O], deepstack [L, N, O])`, or a `VisionOutput` when hidden states are asked for.
+          `(merged [N, O], deepstack [L, N, O])`, or a `VisionOutput` when hidden states or
+          attentions are asked for.
         """
         grid = validate_vision_inputs(pixel_values, grid_thw, self.config.vision)
+        attend = check_layers(return_attentions, self.config.vision.depth, "return_attentions", noun="block")
         meta = vision_metadata(grid, self.config.vision)
         graphdef, state = nnx.split(self.visual)
         with use_mesh(self):
             out = _run_vision(graphdef, state, jnp.asarray(pixel_values, jnp.float32), meta,
                               implementation=self.attention_implementation,
-                              return_hidden_states=return_hidden_states)
-        return out if return_hidden_states else (out.merged, out.deepstack)
+                              return_hidden_states=return_hidden_states, return_attentions=attend)
+        return out if return_hidden_states or attend else (out.merged, out.deepstack)
 
     # ------------------------------------------------------------------ full model
 
@@ -285,6 +293,8 @@ class Qwen3VL(nnx.Module):
         video_pruning: tuple[str, float] | None = None,
         vision_encoder=None,
         encode: bool = True,
+        llm_pruning=None,
+        image_pruning: tuple[str, float] | None = None,
         video_timestamps=None,
         video_metadata=None,
     ) -> MultimodalInputs:
@@ -300,10 +310,17 @@ class Qwen3VL(nnx.Module):
             are kept (computed here, from concrete values: the selection is not differentiated), and
             the sequence is rebuilt per frame with the kept tokens at their unpruned positions
             (shorter than the prompt when an adaptive method keeps fewer: docs/pruning.md §8.2).
+          image_pruning: `(method, rate)`, a registered method that prunes images (its `media`; e.g.
+            "divprune", "visionzip", the baselines): as `video_pruning`, with each image's placeholder
+            sized by the processor for its K kept tokens, which keep their unpruned positions.
           vision_encoder: a callable `(pixel_values, grid_thw) -> (merged, deepstack)` used instead of
             `encode_vision`, e.g. `EncoderRunner(model).encode` for bucketed, precompiled encoding.
           encode: False leaves the pixels in the result for `forward` to encode (so gradients reach
             the vision tower when `forward` is differentiated).
+          llm_pruning: `(method, options)`, an in-LLM method (`("fastv", {"layer": 2, "rate": 0.5})`,
+            `("pyramiddrop", {"layers": (2, 4), "rate": 0.5})`; docs/pruning.md §11): planned here
+            (how many vision tokens each row keeps at each stage, the stages' static lengths), run
+            by `forward` at the decoder layers.
           video_timestamps, video_metadata: processor outputs the model does not need (accepted so
             `model(**processor(...))` works; the timestamps are already in the text).
         Raises ValueError naming the offending item for malformed inputs.
@@ -329,8 +346,11 @@ class Qwen3VL(nnx.Module):
         image_grid_thw, pixel_values = _none_if_empty(image_grid_thw, pixel_values, "image")
         video_grid_thw, pixel_values_videos = _none_if_empty(video_grid_thw, pixel_values_videos, "video")
         pruning = pruning_lib.validate_video_pruning(video_pruning)
+        image_spec = pruning_lib.validate_image_pruning(image_pruning)
+        in_llm = pruning_lib.validate_llm_pruning(llm_pruning)
         merge = cfg.vision.spatial_merge_size
         prune_videos = pruning is not None and video_grid_thw is not None
+        prune_images = image_spec is not None and image_grid_thw is not None
 
         groups = []  # (pixels, grid) per modality, images first
         for name, token, pixels, grid in (
@@ -340,17 +360,18 @@ class Qwen3VL(nnx.Module):
             if (pixels is None) != (grid is None):
                 raise ValueError(f"pass both the {name} pixels and the {name} grid_thw, or neither")
             found = int(((ids == token) & mask).sum())
+            spec = {"image": image_spec, "video": pruning}[name] if grid is not None else None
             if grid is None:
                 expected = 0
-            elif name == "video" and prune_videos:
-                expected = pruning_lib.placeholder_tokens(grid, merge, pruning)
+            elif spec is not None:
+                expected = pruning_lib.placeholder_tokens(grid, merge, spec)
             else:
                 expected = int(np.asarray(grid).prod(axis=-1).sum()) // cfg.vision.merge_unit
             if found != expected:
                 raise ValueError(
                     f"{name} placeholders and {name} features do not match: the prompt has {found} {name} "
                     f"tokens but the {name} inputs give {expected} merged tokens"
-                    + (f" after {pruning[0]} pruning at rate {pruning[1]}" if name == "video" and prune_videos else "")
+                    + (f" after {spec[0]} pruning at rate {spec[1]}" if spec is not None else "")
                 )
             if grid is not None:
                 groups.append((pixels, validate_vision_inputs(pixels, grid, cfg.vision, what=name)))
@@ -360,17 +381,18 @@ class Qwen3VL(nnx.Module):
         if groups:
             pixels = np.concatenate([np.asarray(p, np.float32) for p, _ in groups])
             grid = np.concatenate([g for _, g in groups])
-            if encode or prune_videos:
+            if encode or prune_videos or prune_images:
                 features, deepstack = (vision_encoder or self.encode_vision)(pixels, grid)
-            if prune_videos:
+            if prune_videos or prune_images:
                 if isinstance(features, jax.core.Tracer):
                     raise ValueError(
-                        "video pruning selects tokens from concrete encoder outputs: call "
-                        "model.prepare_inputs(..., video_pruning=..., encode=False) outside jit / grad and pass "
-                        "the result to model.forward inside")
+                        "video and image pruning select tokens from concrete encoder outputs: call "
+                        "model.prepare_inputs(..., video_pruning=... / image_pruning=..., encode=False) outside "
+                        "jit / grad and pass the result to model.forward inside")
                 pruned = pruning_lib.prune_video_tokens(
-                    ids, mask, mm_token_type_ids, image_grid_thw, video_grid_thw, features, deepstack, pruning,
-                    config=cfg, embed_tokens=self.language_model.embed_tokens)
+                    ids, mask, mm_token_type_ids, image_grid_thw, video_grid_thw, features, deepstack,
+                    pruning if prune_videos else None, config=cfg, embed_tokens=self.language_model.embed_tokens,
+                    image_spec=image_spec if prune_images else None)
                 ids, mask, positions, deltas = pruned.input_ids, pruned.attention_mask, pruned.positions, pruned.rope_deltas
                 kept_rows = pruned.kept_rows
             else:
@@ -395,6 +417,9 @@ class Qwen3VL(nnx.Module):
         # Row-major over (batch, position), as HF scatters; pruned rows are simply never referenced.
         visual_index[is_image] = kept_rows[:n_image_tokens]
         visual_index[is_video] = kept_rows[n_image_tokens:]
+        plan = None
+        if in_llm is not None:
+            plan = pruning_lib.plan_llm_pruning(mask, visual_index >= 0, *in_llm, cfg.text.num_hidden_layers)
         return MultimodalInputs(
             input_ids=jnp.asarray(ids, jnp.int32),
             attention_mask=jnp.asarray(mask),
@@ -405,6 +430,7 @@ class Qwen3VL(nnx.Module):
             deepstack=deepstack,
             pixel_values=None if pixels is None else jnp.asarray(pixels),
             vision=None if meta is None else jax.tree.map(jnp.asarray, meta),
+            llm_pruning=plan,
         )
 
     def video_retention_masks(self, pixel_values_videos, video_grid_thw, video_pruning: tuple[str, float],
@@ -428,8 +454,11 @@ class Qwen3VL(nnx.Module):
         video_grid_thw=None,
         *,
         return_hidden_states: bool = False,
+        return_attentions=None,
         return_router_logits: bool = False,
         video_pruning: tuple[str, float] | None = None,
+        llm_pruning=None,
+        image_pruning: tuple[str, float] | None = None,
         vision_encoder=None,
         video_timestamps=None,
         video_metadata=None,
@@ -439,38 +468,58 @@ class Qwen3VL(nnx.Module):
         `prepare_inputs` then `forward` (jitted); the keywords as there. Differentiable: under
         `nnx.grad` / `jax.grad` the vision tower, the deepstack and the decoder all get gradients.
 
-        With `return_hidden_states`, returns `(logits, hidden states [N, B, L, E])`: each decoder
+        With `return_hidden_states`, also returns the hidden states `[N, B, L, E]`: each decoder
         layer's output before its deepstack addition, as HF's `output_hidden_states` records them.
+        With `return_attentions` (a decoder layer index or indices), also returns `{layer: [B, H, L,
+        L]}`, those layers' attention probabilities (HF's `output_attentions=True` under eager
+        attention; rows of padding tokens are zero). Only the chosen layers materialize them; the
+        forward without the option is unchanged.
+
+        With `llm_pruning=(method, options)` (e.g. `("fastv", {"layer": 2, "rate": 0.5})`, see
+        `prepare_inputs`), the logits are those of the tokens the last stage keeps, `[B, L', V]`, and
+        the stages' kept rows follow: a tuple of `[B, L_s]` input positions (-1: padding), one per
+        stage (the last is the layout of the logits). Attentions of layers after a stage cover its
+        tokens only.
+
         With `return_router_logits` (MoE models), `router logits [sparse layers, B*L, experts]` come
         last in the tuple, as HF's `output_router_logits` records them (`moe.load_balancing_loss`).
+        The extras follow the logits in this order: `(logits, hidden_states, attentions, kept,
+        router_logits)`.
         """
+        attend = check_layers(return_attentions, self.config.text.num_hidden_layers)
         inputs = self.prepare_inputs(input_ids, attention_mask, mm_token_type_ids, pixel_values,
                                      image_grid_thw, pixel_values_videos, video_grid_thw,
-                                     video_pruning=video_pruning, vision_encoder=vision_encoder)
+                                     video_pruning=video_pruning, vision_encoder=vision_encoder,
+                                     llm_pruning=llm_pruning, image_pruning=image_pruning)
         graphdef, state = nnx.split(self)
         with use_mesh(self):
             return _run_forward(graphdef, state, inputs, return_hidden_states=return_hidden_states,
-                                return_router_logits=return_router_logits)
+                                return_attentions=attend, return_router_logits=return_router_logits)
 
-    def forward(self, inputs: MultimodalInputs, *, return_hidden_states: bool = False,
+    def forward(self, inputs: MultimodalInputs, *, return_hidden_states: bool = False, return_attentions=None,
                 return_router_logits: bool = False):
-        """Logits `[B, L, V]` (then per-layer hidden states, router logits, when asked) for prepared
-        inputs; jit / grad friendly."""
+        """Logits `[B, L, V]` (then per-layer hidden states, attention probabilities, the in-LLM
+        stages' kept rows, router logits, when asked; see `__call__`) for prepared inputs; jit / grad
+        friendly."""
         out = self.forward_hidden(inputs, return_hidden_states=return_hidden_states,
-                                  return_router_logits=return_router_logits)
+                                  return_attentions=return_attentions, return_router_logits=return_router_logits)
         logits = self.logits(out.hidden)
-        extras = (out.hidden_states,) * return_hidden_states + (out.router_logits,) * return_router_logits
+        extras = ((out.hidden_states,) if return_hidden_states else ()) + (
+            (out.attentions,) if out.attentions is not None else ()) + (
+            (out.kept,) if out.kept is not None else ()) + ((out.router_logits,) if return_router_logits else ())
         return (logits, *extras) if extras else logits
 
     def forward_hidden(self, inputs: MultimodalInputs, *, return_hidden_states: bool = False,
-                       return_router_logits: bool = False):
+                       return_attentions=None, return_router_logits: bool = False):
         """The forward up to the LM head: a `TextOutput` with the final-norm hidden states `[B, L, E]`
         (e.g. for a loss that projects them through `logits` a chunk at a time)."""
         embeds, deepstack = self.embed(inputs)
         return self.language_model(embeds, inputs.positions, causal_padding_mask(inputs.attention_mask), deepstack,
                                    implementation=self.attention_implementation,
                                    return_hidden_states=return_hidden_states,
-                                   return_router_logits=return_router_logits)
+                                   return_attentions=check_layers(return_attentions,
+                                                                  self.config.text.num_hidden_layers),
+                                   pruning=inputs.llm_pruning, return_router_logits=return_router_logits)
 
     def embed(self, inputs: MultimodalInputs):
         """Token embeddings with visual features spliced in, and the per-level deepstack additions.
@@ -522,15 +571,21 @@ def _none_if_empty(grid, pixels, name: str):
     return grid, pixels
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "implementation", "return_hidden_states"))
-def _run_vision(graphdef, state, pixel_values, meta, *, implementation, return_hidden_states) -> VisionOutput:
+@functools.partial(jax.jit, static_argnames=("graphdef", "implementation", "return_hidden_states",
+                                             "return_attentions"))
+def _run_vision(graphdef, state, pixel_values, meta, *, implementation, return_hidden_states,
+                return_attentions=()) -> VisionOutput:
     visual = nnx.merge(graphdef, state)
-    return visual(pixel_values, meta, implementation=implementation, return_hidden_states=return_hidden_states)
+    return visual(pixel_values, meta, implementation=implementation, return_hidden_states=return_hidden_states,
+                  return_attentions=return_attentions)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "return_hidden_states", "return_router_logits"))
-def _run_forward(graphdef, state, inputs: MultimodalInputs, *, return_hidden_states, return_router_logits=False):
+@functools.partial(jax.jit, static_argnames=("graphdef", "return_hidden_states", "return_attentions",
+                                             "return_router_logits"))
+def _run_forward(graphdef, state, inputs: MultimodalInputs, *, return_hidden_states, return_attentions=(),
+                 return_router_logits=False):
     return nnx.merge(graphdef, state).forward(inputs, return_hidden_states=return_hidden_states,
+                                              return_attentions=return_attentions,
                                               return_router_logits=return_router_logits)
 
 

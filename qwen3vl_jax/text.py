@@ -29,8 +29,10 @@ from pallas_kernels.attention import api as attention_api
 from pallas_kernels.attention.mask import AttentionMask
 
 from .config import TextConfig
-from .layers import Linear, RMSNorm, apply_rotary, make_stack, run_stack
+from .layers import Linear, RMSNorm, apply_rotary, check_layers, make_stack, run_stack, segment_edges
 from .moe import MoEBlock
+from .pruning.llm import LLMPruning, compaction, gather_rows
+from .pruning.registry import get_method
 from .sharding import constrain
 
 __all__ = ["TextModel", "TextOutput", "KVCache", "DecoderLayer", "mrope_channel_axes", "mrope_cos_sin"]
@@ -88,16 +90,21 @@ jax.tree_util.register_dataclass(KVCache, data_fields=["keys", "values"], meta_f
 class TextOutput:
     """hidden: final-norm `[B, L, E]`; cache: the updated `KVCache` (or None); hidden_states:
     `[N, B, L, E]` each layer's output before its deepstack addition (HF's record), when asked;
-    router_logits: `[sparse layers, B*L, experts]` the MoE routers' logits (HF's
-    `output_router_logits`), when asked."""
+    attentions: `{layer: [B, H, L, S]}` the attention probabilities of the layers asked for;
+    kept: with in-LLM pruning, per stage `[B, L_s]` the input position of each row of the stage's
+    layout (-1: padding); the last is the layout of `hidden`; router_logits: `[sparse layers, B*L,
+    experts]` the MoE routers' logits (HF's `output_router_logits`), when asked."""
 
     hidden: jax.Array
     cache: KVCache | None = None
     hidden_states: jax.Array | None = None
     router_logits: jax.Array | None = None
+    attentions: dict | None = None
+    kept: tuple | None = None
 
 
-jax.tree_util.register_dataclass(TextOutput, data_fields=["hidden", "cache", "hidden_states", "router_logits"],
+jax.tree_util.register_dataclass(TextOutput, data_fields=["hidden", "cache", "hidden_states", "router_logits",
+                                                          "attentions", "kept"],
                                  meta_fields=[])
 
 
@@ -113,8 +120,11 @@ class TextAttention(nnx.Module):
         self.q_norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
 
-    def __call__(self, x, cos, sin, mask: AttentionMask, cache=None, index=0, *, implementation: str):
-        """Attention output `[B, L, E]` and the layer's updated `(keys, values)` cache (or None).
+    def __call__(self, x, cos, sin, mask: AttentionMask, cache=None, index=0, *, implementation: str,
+                 return_weights: bool = False, weight_rows=None):
+        """Attention output `[B, L, E]`, the layer's updated `(keys, values)` cache (or None), and the
+        softmax probabilities `[B, H, L, S]` when `return_weights` (else None); with `weight_rows`
+        (`[B]` int) only those query rows' `[B, H, 1, S]`.
 
         Without a cache, q attends over this call's keys; with one (`[B, S, G, D]` each), this
         call's keys and values are written at slots `[index, index + L)` and q attends over the cache.
@@ -133,7 +143,14 @@ class TextAttention(nnx.Module):
             values = lax.dynamic_update_slice(values, v.astype(values.dtype), start)
             k, v, cache = keys, values, (keys, values)
         out = attention_api.attention(q, k, v, mask, implementation=implementation)
-        return self.o_proj(out.reshape(b, length, -1)), cache
+        weights = None
+        if return_weights and weight_rows is not None:
+            pick = lambda a: jnp.take_along_axis(a, weight_rows.reshape((-1,) + (1,) * (a.ndim - 1)), axis=1)  # noqa: E731
+            weights = attention_api.attention_weights(pick(q), k, AttentionMask(pick(mask.kv_start),
+                                                                              pick(mask.kv_end)))
+        elif return_weights:
+            weights = attention_api.attention_weights(q, k, mask)
+        return self.o_proj(out.reshape(b, length, -1)), cache, weights
 
 
 class TextMLP(nnx.Module):
@@ -161,17 +178,29 @@ class DecoderLayer(nnx.Module):
         block = MoEBlock if sparse else TextMLP
         self.mlp = block(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, mask: AttentionMask, cache=None, index=0, *, implementation: str = "xla"):
+    def __call__(self, x, cos, sin, mask: AttentionMask, cache=None, index=0, *, implementation: str = "xla",
+                 return_weights: bool = False, weight_rows=None):
         """`(x, cache, router logits)`: the layer's output, its updated `(keys, values)` (None without
-        a cache) and, in a sparse layer, its router's logits `[B*L, experts]` (else None)."""
-        attended, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, index,
-                                         implementation=implementation)
+        a cache) and, in a sparse layer, its router's logits `[B*L, experts]` (else None); with
+        `return_weights`, `(x, cache, router logits, weights)`: the attention probabilities `[B, H,
+        L, S]`, or `[B, H, 1, S]` of the query rows `weight_rows [B]`."""
+        attended, cache, weights = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, index,
+                                                  implementation=implementation, return_weights=return_weights,
+                                                  weight_rows=weight_rows)
         x = x + attended
         normed = self.post_attention_layernorm(x)
-        if not self.sparse:
-            return x + self.mlp(normed), cache, None
-        out, router_logits = self.mlp(normed, implementation=self.moe_implementation)
-        return x + out, cache, router_logits
+        router_logits = None
+        if self.sparse:
+            out, router_logits = self.mlp(normed, implementation=self.moe_implementation)
+        else:
+            out = self.mlp(normed)
+        x = x + out
+        return (x, cache, router_logits, weights) if return_weights else (x, cache, router_logits)
+
+
+def _at(x, index):
+    """`x[index]` along the leading axis, for a static or a traced index."""
+    return x[index] if isinstance(index, int) else lax.dynamic_index_in_dim(x, index, keepdims=False)
 
 
 def _level(deepstack, index):
@@ -219,44 +248,121 @@ class TextModel(nnx.Module):
 
     def __call__(self, embeds, positions, mask: AttentionMask, deepstack=None, *, cache: KVCache | None = None,
                  cache_index=0, implementation: str = "xla", return_hidden_states: bool = False,
+                 return_attentions: tuple[int, ...] = (), pruning: LLMPruning | None = None,
                  return_router_logits: bool = False) -> TextOutput:
         """The decoder over `embeds [B, L, E]` at mRoPE `positions [3, B, L]`.
 
         Args:
-          mask: the `AttentionMask` of the L query rows (over this call's keys, or the cache's slots).
+          mask: the `AttentionMask` of the L query rows (over this call's keys, or the cache's slots);
+            or, for a cache whose layers hold different lengths (decoding after in-LLM pruning), one
+            per layer (fields `[N, B, L]`) with `cache_index` `[N]`.
           deepstack: `[K, B, L, E]` additions after layers 0..K-1, or None.
           cache: a `KVCache` to write at slots `[cache_index, cache_index + L)` and attend over.
+          return_attentions: layer indices (static) whose attention probabilities `[B, H, L, S]` to
+            return (`TextOutput.attentions`). Each such layer runs on its own with a static index (a
+            scanned stack is scanned around it); the other layers, and a call that asks for none,
+            run exactly as without the option.
+          pruning: an in-LLM pruning plan (`pruning.llm.LLMPruning`): at each of its layers K, the
+            vision tokens are ranked by the attention the last real token pays them at layer K-1 and
+            the rest of the stack (and its cache, from slot 0) holds only the kept tokens, at their
+            positions; later deepstack additions follow the kept tokens (docs/pruning.md §11).
+            `TextOutput.kept` then gives each stage's rows as positions of the input.
           return_router_logits: collect the sparse layers' router logits (for the aux loss).
         """
-        cos, sin = mrope_cos_sin(positions, self.config)
         config = self.config
         return_router_logits = return_router_logits and config.is_moe
-        b, length = embeds.shape[:2]
+        count = self.config.num_hidden_layers
+        attend = check_layers(return_attentions, count)
+        boundaries = () if pruning is None else pruning.layers
+        if pruning is not None:
+            if return_hidden_states or return_router_logits:
+                raise ValueError("return_hidden_states and return_router_logits cannot be combined with in-LLM "
+                                 "pruning (the layers hold different numbers of tokens); use return_attentions or "
+                                 "the stages' kept rows")
+            if any(not 1 <= k < count for k in boundaries):
+                raise ValueError(f"in-LLM pruning method {pruning.method!r} drops at layers {list(boundaries)}, "
+                                 f"but the model has {count} decoder layers (layers 1 .. {count - 1} can be pruned)")
+        scored = {k - 1: s for s, k in enumerate(boundaries)}
+        ctx = dict(mask=mask, deepstack=deepstack, rows=None)
+        ctx["cos"], ctx["sin"] = mrope_cos_sin(positions, self.config)
+        if pruning is not None:
+            real = mask.kv_end > mask.kv_start
+            ctx["rows"] = embeds.shape[1] - 1 - jnp.argmax(real[:, ::-1], axis=1).astype(jnp.int32)  # last real
+            ctx.update(real=real, visual=pruning.visual, origin=jnp.where(
+                real, jnp.arange(embeds.shape[1], dtype=jnp.int32)[None], -1), positions=positions)
 
         def step(layer, carry, index):
             x, keys, values = carry
+            layer_mask, slot = ctx["mask"], cache_index
+            if layer_mask.kv_start.ndim == 3:  # one mask and one cache slot per layer
+                layer_mask = AttentionMask(_at(layer_mask.kv_start, index), _at(layer_mask.kv_end, index))
+                slot = _at(cache_index, index)
             layer_cache = None
             if keys is not None:
-                layer_cache = (lax.dynamic_index_in_dim(keys, index, keepdims=False),
-                               lax.dynamic_index_in_dim(values, index, keepdims=False))
-            x, layer_cache, router_logits = layer(x, cos, sin, mask, layer_cache, cache_index,
-                                                  implementation=implementation)
+                layer_cache = (_at(keys, index), _at(values, index))
+            static = isinstance(index, int)
+            want = static and (index in attend or index in scored)
+            rows = ctx["rows"] if static and index in scored and index not in attend else None
+            x, layer_cache, router_logits, *weights = layer(x, ctx["cos"], ctx["sin"], layer_mask, layer_cache,
+                                                            slot, implementation=implementation,
+                                                            return_weights=want, weight_rows=rows)
             x = constrain(x, "batch", None, None)  # the block boundary: batch over data x fsdp
             if keys is not None:
                 keys = lax.dynamic_update_index_in_dim(keys, layer_cache[0], index, 0)
                 values = lax.dynamic_update_index_in_dim(values, layer_cache[1], index, 0)
             if return_router_logits and router_logits is None:  # a dense layer: dropped below
-                router_logits = jnp.zeros((b * length, config.num_experts), x.dtype)
+                router_logits = jnp.zeros((x.shape[0] * x.shape[1], config.num_experts), x.dtype)
             out = (x if return_hidden_states else None, router_logits if return_router_logits else None)
-            level = _level(deepstack, index)
+            level = _level(ctx["deepstack"], index)
             if level is not None:
                 x = x + level.astype(x.dtype)
-            return (x, keys, values), out
+            return (x, keys, values), (out, weights[0] if weights else None)
 
         carry = (embeds, None, None) if cache is None else (embeds, cache.keys, cache.values)
-        (x, keys, values), collected = run_stack(self.layers, step, carry, scan=self.scan_layers, remat=self.remat,
-                                                 collect=return_hidden_states or return_router_logits)
-        hidden, router_logits = collected if collected is not None else (None, None)
+        hidden, routers, attentions, kept = [], [], {}, []
+        for start, stop in segment_edges(count, tuple(sorted(set(attend) | set(scored)))):
+            carry, outs = run_stack(self.layers, step, carry, scan=self.scan_layers, remat=self.remat,
+                                    collect=return_hidden_states or return_router_logits or start in attend
+                                    or start in scored,
+                                    start=start, stop=stop)
+            if outs is not None:
+                hidden.append(outs[0][0])
+                routers.append(outs[0][1])
+                if start in attend:
+                    attentions[start] = outs[1][0]
+            if start in scored:
+                weights = outs[1][0]
+                if start in attend:  # the full rows: take the last real token's
+                    weights = jnp.take_along_axis(weights, ctx["rows"][:, None, None, None], axis=2)
+                carry = self._prune(carry, weights[:, :, 0], ctx, pruning, scored[start])
+                kept.append(ctx["origin"])
+        x, keys, values = carry
+        hidden = jnp.concatenate(hidden) if return_hidden_states else None
+        router_logits = jnp.concatenate(routers) if return_router_logits else None
         if router_logits is not None and len(config.sparse_layers) < config.num_hidden_layers:
             router_logits = router_logits[np.asarray(config.sparse_layers)]
-        return TextOutput(self.norm(x), None if cache is None else KVCache(keys, values), hidden, router_logits)
+        return TextOutput(self.norm(x), None if cache is None else KVCache(keys, values), hidden,
+                          router_logits=router_logits, attentions=attentions if attend else None,
+                          kept=tuple(kept) if pruning is not None else None)
+
+    def _prune(self, carry, weights, ctx: dict, pruning: LLMPruning, stage: int):
+        """Keep the stage's tokens: `carry`'s hidden states and `ctx`'s per-token arrays move to the next
+        stage's layout (`pruning.llm.compaction`), its mask is rebuilt over that layout from slot 0."""
+        x, keys, values = carry
+        length = pruning.lengths[stage]
+        current = ctx["real"].shape[1]
+        scores = get_method(pruning.method).score(weights[..., :current])
+        rows = compaction(scores, ctx["visual"], ctx["real"], pruning.keep[stage], length, pruning.right_aligned)
+        real = rows >= 0
+        positions = gather_rows(ctx["positions"], rows, 2)
+        cos, sin = mrope_cos_sin(positions, self.config)
+        counts = jnp.sum(real, axis=1, dtype=jnp.int32)
+        starts = jnp.where(jnp.any(real, axis=1), jnp.argmax(real, axis=1), 0).astype(jnp.int32)
+        ends = starts + counts
+        deepstack = ctx["deepstack"]
+        ctx.update(real=real, positions=positions, cos=cos, sin=sin, rows=jnp.maximum(ends - 1, 0),
+                   visual=gather_rows(ctx["visual"], rows, 1, False), origin=gather_rows(ctx["origin"], rows, 1, -1),
+                   mask=AttentionMask.causal(starts, ends, length),
+                   deepstack=None if deepstack is None else gather_rows(deepstack, rows, 2))
+        return constrain(gather_rows(x, rows, 1), "batch", None, None), keys, values
+

@@ -31,7 +31,7 @@ from pallas_kernels.pos_embed import api as pos_embed_api
 from pallas_kernels.pos_embed.reference import interpolation_taps, merge_order_rows_cols
 
 from .config import VisionConfig
-from .layers import LayerNorm, Linear, apply_rotary, make_stack, run_stack
+from .layers import LayerNorm, Linear, apply_rotary, check_layers, make_stack, run_stack, segment_edges
 from .sharding import constrain
 
 __all__ = ["VisionMetadata", "vision_metadata", "validate_vision_inputs", "VisionModel"]
@@ -181,15 +181,19 @@ class VisionAttention(nnx.Module):
         self.proj = Linear(config.hidden_size, config.hidden_size, use_bias=True, dtype=dtype,
                            param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, mask: AttentionMask, implementation: str):
+    def __call__(self, x, cos, sin, mask: AttentionMask, implementation: str, return_weights: bool = False):
+        """`[P, E]` output; with `return_weights` also the probabilities `[H, P, P]`."""
         patches = x.shape[0]
         qkv = self.qkv(x).reshape(patches, 3, self.num_heads, -1)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # [P, H, D]
         # Rotary in float32, cast back (HF's apply_rotary_pos_emb_vision).
         cos, sin = cos[:, None, :], sin[:, None, :]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention_api.attention(q[None], k[None], v[None], mask, implementation=implementation)[0]
-        return self.proj(out.reshape(patches, -1))
+        out = self.proj(attention_api.attention(q[None], k[None], v[None], mask,
+                                                implementation=implementation)[0].reshape(patches, -1))
+        if not return_weights:
+            return out
+        return out, attention_api.attention_weights(q[None], k[None], mask)[0]
 
 
 class VisionMLP(nnx.Module):
@@ -211,9 +215,13 @@ class VisionBlock(nnx.Module):
         self.attn = VisionAttention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.mlp = VisionMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, mask: AttentionMask, implementation: str = "xla"):
-        x = x + self.attn(self.norm1(x), cos, sin, mask, implementation)
-        return x + self.mlp(self.norm2(x))
+    def __call__(self, x, cos, sin, mask: AttentionMask, implementation: str = "xla", return_weights: bool = False):
+        """`[P, E]`; with `return_weights`, `(x, attention probabilities [H, P, P])`."""
+        attended = self.attn(self.norm1(x), cos, sin, mask, implementation, return_weights)
+        attended, weights = attended if return_weights else (attended, None)
+        x = x + attended
+        x = x + self.mlp(self.norm2(x))
+        return (x, weights) if return_weights else x
 
 
 class PatchMerger(nnx.Module):
@@ -244,15 +252,17 @@ class PatchMerger(nnx.Module):
 @dataclasses.dataclass(frozen=True)
 class VisionOutput:
     """merged: `[N, O]`; deepstack: `[L, N, O]`; hidden_states: `[depth, P, E]` each block's output,
-    when requested."""
+    when requested; attentions: `{block: [H, P, P]}` the attention probabilities of the blocks asked
+    for (zero between patches of different frames or items)."""
 
     merged: jnp.ndarray
     deepstack: jnp.ndarray
     hidden_states: jnp.ndarray | None = None
+    attentions: dict | None = None
 
 
 jax.tree_util.register_dataclass(
-    VisionOutput, data_fields=["merged", "deepstack", "hidden_states"], meta_fields=[]
+    VisionOutput, data_fields=["merged", "deepstack", "hidden_states", "attentions"], meta_fields=[]
 )
 
 
@@ -284,7 +294,11 @@ class VisionModel(nnx.Module):
         *,
         implementation: str = "xla",
         return_hidden_states: bool = False,
+        return_attentions: tuple[int, ...] = (),
     ) -> VisionOutput:
+        """The tower; `return_attentions`: block indices (static) whose probabilities to return, each
+        block run on its own with a static index (as `text.TextModel`)."""
+        attend = check_layers(return_attentions, self.config.depth, noun="block")
         x = self.patch_embed(pixel_values.astype(self.dtype))
         pos = pos_embed_api.interpolate_pos_embed(
             self.pos_embed.embedding[...], meta.pos_indices, meta.pos_weights, implementation=implementation
@@ -299,7 +313,12 @@ class VisionModel(nnx.Module):
 
         def step(block, carry, index):
             x, tapped = carry
-            x = constrain(block(x, cos, sin, mask, implementation), "batch", None)  # patch rows over the batch axes
+            weights = None
+            if isinstance(index, int) and index in attend:
+                x, weights = block(x, cos, sin, mask, implementation, return_weights=True)
+            else:
+                x = block(x, cos, sin, mask, implementation)
+            x = constrain(x, "batch", None)  # patch rows over the batch axes
             if isinstance(index, int):
                 if level_of[index] >= 0:
                     tapped = tapped.at[int(level_of[index])].set(x)
@@ -307,12 +326,20 @@ class VisionModel(nnx.Module):
                 level = jnp.asarray(level_of)[index]
                 tapped = lax.cond(level >= 0, lambda t: lax.dynamic_update_index_in_dim(t, x, level, 0),
                                   lambda t: t, tapped)
-            return (x, tapped), x
+            return (x, tapped), (x, weights)
 
-        tapped = jnp.zeros((len(taps), *x.shape), x.dtype)
-        (x, tapped), hidden = run_stack(self.blocks, step, (x, tapped), scan=self.scan_layers, remat=self.remat,
-                                        collect=return_hidden_states)
+        carry = (x, jnp.zeros((len(taps), *x.shape), x.dtype))
+        hidden, attentions = [], {}
+        for start, stop in segment_edges(self.config.depth, attend):
+            carry, outs = run_stack(self.blocks, step, carry, scan=self.scan_layers, remat=self.remat,
+                                    collect=return_hidden_states or start in attend, start=start, stop=stop)
+            if outs is not None:
+                hidden.append(outs[0])
+                if start in attend:
+                    attentions[start] = outs[1][0]
+        x, tapped = carry
         merged = self.merger(x)
         deepstack = [merger(tapped[level]) for level, merger in enumerate(self.deepstack_merger_list)]
         stacked = jnp.stack(deepstack) if deepstack else jnp.zeros((0, *merged.shape), merged.dtype)
-        return VisionOutput(merged, stacked, hidden)
+        return VisionOutput(merged, stacked, jnp.concatenate(hidden) if return_hidden_states else None,
+                            attentions if attend else None)

@@ -1,9 +1,11 @@
-"""Pruning-ratio ablation (any registered method: EVS, VidCom2, the baselines, your own) on the tiny
-default or a real checkpoint, for fidelity against the unpruned run and, with a data set, accuracy.
+"""Pruning-ratio ablation (any registered method: EVS, VidCom2, the baselines, VisionZip, DivPrune,
+your own, and the in-LLM FastV and PyramidDrop) on the tiny default or a real checkpoint, for fidelity
+against the unpruned run and, with a data set, accuracy.
 
     .venv/bin/python scripts/ablate_pruning.py [--model DIR] [--out runs/ablation]
         [--dataset FILE.jsonl | --synthetic N | --video FILE ...]
-        [--methods evs vidcom2 random spatial_grid temporal] [--rates 0 0.25 0.5 0.75 0.9]
+        [--methods evs vidcom2 random spatial_grid temporal divprune fastv fastv@8 pyramiddrop]
+        [--rates 0 0.25 0.5 0.75 0.9]
         [--score loglik|generate] [--fps 2] [--max-frames 768] [--continuation 16] [--timing-repeats 3]
         [--bucketed]
 
@@ -13,9 +15,15 @@ default or a real checkpoint, for fidelity against the unpruned run and, with a 
 clips whose answers are knowable from the frames (OUT/synthetic/) and uses it. Without either, the
 built-in clips (or --video files) give the fidelity figures only.
 
+Methods prune the items of the media they handle (video methods leave images whole, VisionZip leaves
+videos whole); in-LLM methods are named `fastv[@K]` (default K = 2) and `pyramiddrop[@K1,K2,...]`
+(default: a quarter, a half and three quarters of the depth), the rate applying at each stage. Every
+row records the language model's prefill FLOPs beside the vision + prefill time, since an in-LLM
+method saves compute only after its first layer (docs/pruning.md §10, §11).
+
 Writes OUT/ablation.jsonl (one row per item x method x rate, appended as rows finish: rerunning skips
 finished rows), OUT/ablation.csv, OUT/summary.csv (per method x rate: accuracy with a 95% bootstrap
-interval, retained tokens, vision + prefill time, peak memory, KL, top-1 agreement, matching greedy
+interval, retained tokens, prefill FLOPs, vision + prefill time, peak memory, KL, top-1 agreement, matching greedy
 tokens, fps and frame cap) and OUT/ablation.png (accuracy and fidelity against the rate, one line per
 method).
 """
@@ -63,11 +71,12 @@ def main(argv=None) -> None:
                         score=args.score, continuation=args.continuation, fps=args.fps,
                         max_frames=args.max_frames, timing_repeats=args.timing_repeats,
                         vision_encoder=EncoderRunner(model).encode if args.bucketed else None)
-    print(f"\n{'method':<14}{'rate':>6}{'items':>6}{'accuracy (95% CI)':>22}{'kept':>8}{'vis+pre s':>11}"
+    print(f"\n{'method':<16}{'rate':>6}{'items':>6}{'accuracy (95% CI)':>22}{'kept':>8}{'GFLOP':>9}{'vis+pre s':>11}"
           f"{'peak MB':>9}{'KL':>10}{'top1':>6}{'match':>7}{'fps':>6}{'cap':>6}")
     for s in summarize(rows):
         acc = "-" if s.accuracy is None else f"{s.accuracy:.3f} [{s.accuracy_low:.2f}, {s.accuracy_high:.2f}]"
-        print(f"{s.method:<14}{s.rate:>6.2f}{s.items:>6}{acc:>22}{s.retained_tokens:>8.1f}{s.vision_prefill_s:>11.4f}"
+        flops = "-" if s.prefill_flops is None else f"{s.prefill_flops / 1e9:.3f}"
+        print(f"{s.method:<16}{s.rate:>6.2f}{s.items:>6}{acc:>22}{s.retained_tokens:>8.1f}{flops:>9}{s.vision_prefill_s:>11.4f}"
               f"{s.peak_memory_mb:>9.0f}{s.next_token_kl:>10.2e}{s.top1_agree:>6.2f}{s.matching_continuation:>7.2f}"
               f"{s.fps:>6}{s.max_frames:>6}")
     print(f"\nwrote {args.out}/ablation.jsonl, ablation.csv, summary.csv, ablation.png")

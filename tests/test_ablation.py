@@ -177,7 +177,7 @@ def test_generate_scoring_and_open_ended_clips(jax_model, processor, tmp_path):
 
 def test_ablation_refuses_bad_settings(jax_model, processor, tmp_path):
     clips = {"clip": np.zeros((4, 32, 32, 3), np.uint8)}
-    with pytest.raises(ValueError, match=r"unknown video pruning method 'nope'; registered methods"):
+    with pytest.raises(ValueError, match=r"unknown pruning method 'nope'; registered methods"):
         run_ablation(jax_model, processor, clips, out_dir=str(tmp_path), methods=("nope",), rates=(0.5,))
     with pytest.raises(ValueError, match=r"rate must be in \[0, 1\)"):
         run_ablation(jax_model, processor, clips, out_dir=str(tmp_path), methods=("evs",), rates=(1.0,))
@@ -192,10 +192,45 @@ def test_image_items(jax_model, processor, tmp_path):
     (tmp_path / "set.jsonl").write_text(json.dumps(
         {"image": "img.png", "question": "Is it bright?", "options": ["yes", "no"], "answer": "A"}) + "\n")
     rows = run_ablation(jax_model, processor, load_dataset(tmp_path / "set.jsonl"), out_dir=str(tmp_path / "out"),
-                        methods=("evs",), rates=(0.0, 0.5), continuation=2, timing_repeats=1, progress=False)
-    assert [(r.method, r.rate) for r in rows] == [("evs", 0.5), ("none", 0.0)]
-    assert rows[0].retained_tokens == rows[0].video_tokens > 0  # images are never pruned
-    assert rows[0].next_token_kl == 0 and rows[0].prediction in ("A", "B")
+                        methods=("evs", "divprune"), rates=(0.0, 0.5), continuation=2, timing_repeats=1,
+                        progress=False)
+    assert [(r.method, r.rate) for r in rows] == [("divprune", 0.5), ("evs", 0.5), ("none", 0.0)]
+    assert rows[1].retained_tokens == rows[1].video_tokens > 0  # a video method leaves an image whole
+    assert rows[1].next_token_kl == 0 and rows[1].prediction in ("A", "B")
+    assert rows[0].retained_tokens == max(1, int(rows[0].video_tokens * 0.5))  # an image method prunes it
+
+
+def test_in_llm_methods_in_the_ablation(jax_model, processor, tmp_path):
+    """FastV / PyramidDrop rows beside the unpruned one on a video item (DivPrune beside EVS:
+    test_image_items). Each row's prefill FLOPs are `prefill_flops` over the tokens each layer holds:
+    FastV at layer 2 of 3 saves only in its last layer, PyramidDrop at 1 and 2 in two."""
+    from qwen3vl_jax.pruning.llm import prefill_flops
+
+    np.save(tmp_path / "clip.npy", np.random.default_rng(1).integers(0, 255, (4, 64, 64, 3), np.uint8))
+    lines = [{"video": "clip.npy", "question": "Q?", "options": ["a", "b"], "answer": "B", "fps": 2.0}]
+    (tmp_path / "set.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    items = load_dataset(tmp_path / "set.jsonl")
+    rows = run_ablation(jax_model, processor, items, out_dir=str(tmp_path / "out"), rates=(0.0, 0.5),
+                        methods=("fastv", "pyramiddrop@1,2"), continuation=1,
+                        timing_repeats=1, progress=False)
+    by = {(r.item, r.method): r for r in rows}
+    cfg = jax_model.config.text
+    for item in (i.id for i in items):
+        none = by[item, "none"]
+        n = none.video_tokens
+        dropped = n // 2  # floor(0.5 n) at each stage
+        length = none.prefill_flops  # the unpruned prompt length, from its FLOPs
+        tokens = next(t for t in range(1, 400) if prefill_flops(cfg, [t] * 3) == length)
+        assert by[item, "fastv"].prefill_flops == prefill_flops(cfg, [tokens, tokens, tokens - dropped])
+        second = (n - dropped) // 2
+        assert by[item, "pyramiddrop@1,2"].prefill_flops == prefill_flops(
+            cfg, [tokens, tokens - dropped, tokens - dropped - second])
+        assert by[item, "fastv"].retained_tokens == n - dropped
+        assert by[item, "pyramiddrop@1,2"].retained_tokens == n - dropped - second
+    with pytest.raises(ValueError, match=r"'fastv@3' drops at layer 3, but the model has 3 decoder layers"):
+        run_ablation(jax_model, processor, items, out_dir=str(tmp_path / "x"), methods=("fastv@3",), rates=(0.5,))
+    with pytest.raises(ValueError, match=r"'fastv@a': the layers after '@' must be integers"):
+        run_ablation(jax_model, processor, items, out_dir=str(tmp_path / "x"), methods=("fastv@a",), rates=(0.5,))
 
 
 def _script():

@@ -12,7 +12,7 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.
 
 
 def test_there_are_notebooks():
-    assert [p.stem for p in NOTEBOOKS] == ["01_quickstart", "02_pruning", "03_parity", "04_finetune"]
+    assert [p.stem for p in NOTEBOOKS] == ["01_quickstart", "02_pruning", "03_parity", "04_finetune", "05_where_it_looks"]
 
 
 def _param(path):  # a notebook that compares with the HF torch reference needs torch

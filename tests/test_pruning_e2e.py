@@ -196,7 +196,7 @@ def test_a_prompt_built_without_pruning_is_refused(processor, jax_model):
     full = _inputs(processor, [["video", "hi"]], videos=[_video(4, 64, 64, 7)])
     with pytest.raises(ValueError, match="video placeholders and video features do not match.*after evs pruning"):
         jax_model.prepare_inputs(**_model_kwargs(full), video_pruning=("evs", 0.5))
-    with pytest.raises(ValueError, match=r"unknown video pruning method 'EVS'; registered methods: \[.*'evs'"):
+    with pytest.raises(ValueError, match=r"unknown pruning method 'EVS'; registered methods: \[.*'evs'"):
         jax_model.prepare_inputs(**_model_kwargs(full), video_pruning=("EVS", 0.5))
 
 

@@ -59,7 +59,7 @@ def test_register_use_and_unregister(registered):
     replacement = register_method("keep_first", KeepFirst(), replace=True)
     assert pruning.get_method("keep_first") is replacement
     unregister_method("keep_first")
-    with pytest.raises(ValueError, match=r"unknown video pruning method 'keep_first'; registered methods: \[.*'evs'"):
+    with pytest.raises(ValueError, match=r"unknown pruning method 'keep_first'; registered methods: \[.*'evs'"):
         pruning.validate_video_pruning("keep_first", 0.5)
 
 

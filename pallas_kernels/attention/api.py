@@ -33,6 +33,7 @@ from .mask import AttentionMask
 
 __all__ = [
     "attention",
+    "attention_weights",
     "AttentionMask",
     "varlen_attention",
     "causal_attention",
@@ -111,6 +112,19 @@ def attention(q, k, v, mask: AttentionMask, *, implementation: str = "auto", blo
         op = functools.partial(_pallas_attention, interpret=interpret, block_q=block_q, block_k=block_k,
                                num_splits=num_splits)
     return _under_current_mesh(op, q, k, v, mask.kv_start, mask.kv_end)
+
+
+def attention_weights(q, k, mask: AttentionMask):
+    """The softmax probabilities `[B, H, L, S]` (float32) that `attention` applies under `mask`.
+
+    They are the spec's (`reference.attention_weights`: `exp(score - lse)` with the spec's own
+    log-sum-exp), whichever implementation computes the outputs: the Pallas kernels are checked
+    against that spec. Materializes `[B, H, L, S]`; a row with an empty run is zero.
+    """
+    if mask.shape != q.shape[:2]:
+        raise ValueError(f"mask describes {mask.shape} query rows but q has {q.shape[:2]}")
+    return reference.attention_weights(q, k.astype(q.dtype), mask.kv_start, mask.kv_end,
+                                       segment_rows=mask.segment_rows)
 
 
 # The mesh convention of the model (`qwen3vl_jax.sharding`): batch over these axes, heads over this one.

@@ -21,6 +21,9 @@ log-sum-exp and accumulates dQ per query block and dK, dV in place. So
 A single query row per batch row (decode) takes a plain pass over the keys instead (its mask is
 `[B, S]`, the size of one cache row).
 
+`attention_weights` returns the softmax probabilities `[B, H, L, S]` the spec applies, from the
+spec's own log-sum-exp (for inspecting a chosen layer; it materializes them).
+
 `varlen_attention`, `causal_attention` and `decode_attention` are the same spec under the masks they
 name; `masked_attention` is a dense oracle under an explicit boolean mask (tests only).
 
@@ -40,6 +43,7 @@ from .mask import AttentionMask
 
 __all__ = [
     "attention",
+    "attention_weights",
     "block_ranges",
     "balanced_block",
     "aligned_block",
@@ -146,6 +150,13 @@ def attention(q, k, v, kv_start, kv_end, *, block_q: int = ATTENTION_BLOCK, bloc
     if length == 1:
         return _single_query(q[:, 0], k, v, kv_start[:, 0], kv_end[:, 0], dim**-0.5)[:, None].astype(q.dtype)
 
+    q, k, v, kv_start, kv_end, bq, bk = _padded_blocks(q, k, v, kv_start, kv_end, block_q, block_k, segment_rows)
+    return _blocked(q, k, v, kv_start, kv_end, bq, bk)[:, :length]
+
+
+def _padded_blocks(q, k, v, kv_start, kv_end, block_q, block_k, segment_rows):
+    """The block sizes of a call (see `attention`) and its inputs padded to whole blocks."""
+    length, kv_len = q.shape[1], k.shape[1]
     if segment_rows and length == kv_len:
         bq = bk = aligned_block(segment_rows, length, block_q)
     else:
@@ -156,7 +167,46 @@ def attention(q, k, v, kv_start, kv_end, *, block_q: int = ATTENTION_BLOCK, bloc
         kv_start, kv_end = (jnp.pad(x, ((0, 0), (0, lp - length))) for x in (kv_start, kv_end))
     if sp != kv_len:
         k, v = (jnp.pad(x, ((0, 0), (0, sp - kv_len), (0, 0), (0, 0))) for x in (k, v))
-    return _blocked(q, k, v, kv_start, kv_end, bq, bk)[:, :length]
+    return q, k, v, kv_start, kv_end, bq, bk
+
+
+@functools.partial(jax.jit, static_argnames=("block_q", "block_k", "segment_rows"))
+def attention_weights(q, k, kv_start, kv_end, *, block_q: int = ATTENTION_BLOCK, block_k: int = ATTENTION_BLOCK,
+                      segment_rows: int = 0):
+    """The softmax probabilities `[B, H, L, S]` (float32) that `attention` applies to the values.
+
+    Exactly the spec's own: each row's log-sum-exp comes from the same computation `attention` runs
+    (the blocked online softmax for L > 1, the one pass over the keys for L == 1), and the
+    probabilities are `exp(score - lse)` on the row's run of keys, 0 elsewhere, as the flash
+    backward recomputes them. A row with an empty run is all zeros. Arguments as `attention`
+    (without the values). Materializes `[B, H, L, S]`: for inspecting chosen layers, not for the
+    model's path.
+    """
+    b, length, heads, dim = q.shape
+    kv_len, groups = k.shape[1], k.shape[2]
+    if heads % groups:
+        raise ValueError(f"{heads} query heads are not a multiple of {groups} kv heads")
+    if b == 0 or length == 0 or kv_len == 0:
+        return jnp.zeros((b, heads, length, kv_len), jnp.float32)
+    kv_end = jnp.clip(kv_end.astype(jnp.int32), 0, kv_len)
+    kv_start = jnp.minimum(kv_start.astype(jnp.int32), kv_end)
+    qg = q.reshape(b, length, groups, heads // groups, dim)
+    s = jnp.einsum("blgrd,bsgd->bgrls", qg, k, preferred_element_type=jnp.float32) * dim**-0.5
+    s = s.reshape(b, heads, length, kv_len)
+    pos = jnp.arange(kv_len, dtype=jnp.int32)
+    allowed = ((pos >= kv_start[..., None]) & (pos < kv_end[..., None]))[:, None]  # [B, 1, L, S]
+    if length == 1:  # `_single_query`'s pass: the row maximum and the sum of exp(s - max)
+        masked = jnp.where(allowed, s, _MASKED)
+        m = jnp.max(masked, axis=-1, keepdims=True)
+        total = jnp.sum(jnp.exp(masked - m) * allowed, axis=-1, keepdims=True)
+        seen = total > 0
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), 0.0)
+    else:
+        qp, kp, _, lo, hi, bq, bk = _padded_blocks(q, k, k, kv_start, kv_end, block_q, block_k, segment_rows)
+        _, lse = _blocked_forward(qp, kp, kp, lo, hi, bq, bk)  # [B * nq, G, R * Q]
+        lse = _Layout(qp, kp, bq, bk).unqueries(lse[..., None])[:, :length, :, 0]  # [B, L, H]
+        lse = lse.transpose(0, 2, 1)[..., None]
+    return jnp.exp(s - lse) * allowed
 
 
 # ---------------------------------------------------------------------- the blocked online softmax

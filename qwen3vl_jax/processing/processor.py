@@ -28,7 +28,7 @@ from .video import VIDEO_KEYS, VideoProcessor
 GROUPS = {"text_kwargs": TEXT_KEYS, "images_kwargs": IMAGE_KEYS, "videos_kwargs": VIDEO_KEYS}
 # Processor-level keywords: HF's flat `ProcessingKwargs` keys, and this port's pruning hooks.
 PROCESSOR_KEYS = frozenset({"return_mm_token_type_ids", "return_text_replacement_offsets",
-                            "video_tokens_per_frame", "video_pruning"})
+                            "video_tokens_per_frame", "video_pruning", "image_pruning"})
 # HF's `Qwen3VLProcessor` class defaults per group.
 _DEFAULTS = {"text_kwargs": {"return_token_type_ids": False}, "images_kwargs": {},
              "videos_kwargs": {"return_metadata": True}}
@@ -205,7 +205,9 @@ class Qwen3VLProcessor:
               `video_tokens_per_frame`: per video, None (the full count) or one token count per temporal patch;
               `video_pruning`: `(method, rate)` ("evs" or "vidcom2", rate in [0, 1), 0 = off): size each video's
               placeholder for the tokens the method keeps, all in frame 0 (vLLM's layout); the model, given
-              the same option, moves each kept token to its own frame after encoding.
+              the same option, moves each kept token to its own frame after encoding;
+              `image_pruning`: `(method, rate)`, a method that prunes images: size each image's
+              placeholder for the K tokens it keeps (the model, given the same option, picks them).
         """
         groups = merge_kwargs(kwargs)
         text_kw, img_kw, vid_kw, proc_kw = (groups["text_kwargs"], groups["images_kwargs"], groups["videos_kwargs"],
@@ -256,10 +258,14 @@ class Qwen3VLProcessor:
             if video_tokens_per_frame is not None:
                 raise ValueError("pass video_pruning or video_tokens_per_frame, not both")
             video_tokens_per_frame = self.pruned_tokens_per_frame(data["video_grid_thw"], proc_kw["video_pruning"])
+        image_tokens = None
+        if proc_kw.get("image_pruning") is not None and image_list:
+            image_tokens = self.pruned_image_tokens(data["image_grid_thw"], proc_kw["image_pruning"])
         if texts is not None:
             data.update(self.expand_and_tokenize(
                 texts, image_grid_thw=data.get("image_grid_thw"), video_grid_thw=data.get("video_grid_thw"),
                 video_timestamps=data.get("video_timestamps"), video_tokens_per_frame=video_tokens_per_frame,
+                image_tokens=image_tokens,
                 **{k: v for k, v in text_kw.items() if k != "return_tensors"},
                 return_mm_token_type_ids=proc_kw.get("return_mm_token_type_ids", True)))
         return self._to_tensors(data, return_tensors)
@@ -278,16 +284,27 @@ class Qwen3VLProcessor:
             counts.append([keep] + [0] * (int(t) - 1))
         return counts
 
+    def pruned_image_tokens(self, image_grid_thw, image_pruning) -> list[int] | None:
+        """Per image, the K tokens `image_pruning=(method, rate)` keeps, or None (all) when off."""
+        from ..pruning import placeholder_tokens, validate_image_pruning
+
+        spec = validate_image_pruning(image_pruning)
+        if spec is None:
+            return None
+        return [placeholder_tokens([g], self.image_processor.merge_size, spec) for g in image_grid_thw]
+
     def expand_and_tokenize(self, text: str | Sequence[str], image_grid_thw=None, video_grid_thw=None,
                             video_timestamps=None, video_tokens_per_frame=None, return_tensors: str | None = None,
-                            return_mm_token_type_ids: bool = True, **text_kwargs) -> dict[str, Any]:
+                            return_mm_token_type_ids: bool = True, image_tokens=None,
+                            **text_kwargs) -> dict[str, Any]:
         """The text half of `__call__`: expand the pad tokens for the given grids and tokenize
         (`text_kwargs`: HF's text keywords, e.g. padding, padding_side, truncation, max_length).
 
         This is the pruning hook without re-processing any pixels: after the vision encoder and a
         pruning method have decided how many tokens each temporal patch keeps, call it with the
         first call's grids and timestamps and `video_tokens_per_frame=[[n_0, ..., n_{t-1}], ...]`
-        (None for a video keeps its full count) to get the prompt the language model sees.
+        (None for a video keeps its full count) to get the prompt the language model sees;
+        `image_tokens=[k_0, ...]` sizes each image's placeholder likewise (None: the full counts).
         """
         texts = [text] if isinstance(text, str) else list(text)
         image_grids = [] if image_grid_thw is None else [tuple(int(x) for x in g) for g in image_grid_thw]
@@ -302,7 +319,10 @@ class Qwen3VLProcessor:
         if video_tokens_per_frame is not None and len(video_tokens_per_frame) != len(video_grids):
             raise ValueError(f"video_tokens_per_frame has {len(video_tokens_per_frame)} entries for "
                              f"{len(video_grids)} video(s)")
-        image_repl = [self.image_placeholder(g) for g in image_grids]
+        if image_tokens is not None and len(image_tokens) != len(image_grids):
+            raise ValueError(f"image_tokens has {len(image_tokens)} entries for {len(image_grids)} image(s)")
+        image_repl = [self.image_placeholder(g) if image_tokens is None else IMAGE_TOKEN * int(image_tokens[i])
+                      for i, g in enumerate(image_grids)]
         merge = self.video_processor.merge_size ** 2
         video_repl = []
         for i, ((t, h, w), stamps) in enumerate(zip(video_grids, video_timestamps or [])):

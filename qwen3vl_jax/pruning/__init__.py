@@ -1,5 +1,6 @@
-"""Video token pruning for Qwen3-VL: a registry of methods (EVS and VidCom2 with vLLM 0.33.0's counts,
-masks and tie rules; content-blind baselines; your own), and the orchestration the model calls.
+"""Vision token pruning for Qwen3-VL: a registry of methods (EVS and VidCom2 with vLLM 0.33.0's counts,
+masks and tie rules; content-blind baselines; VisionZip- and DivPrune-style image selection; FastV and
+PyramidDrop inside the language model; your own), and the orchestration the model calls.
 
 Spec and protocol: docs/pruning.md (§8 the registry). A method is any object with
 
@@ -18,7 +19,7 @@ The built-in modules also expose their jitted cores: `evs.keep_mask` / `vidcom2.
 
 from __future__ import annotations
 
-from . import baselines, evs, prompt, vidcom2
+from . import baselines, divprune, evs, llm, prompt, vidcom2, visionzip
 from ._common import concat_levels, frame_counts, merged_grid
 from .apply import PrunedInputs, placeholder_tokens, plan_videos, prune_video_tokens, retention_maps
 from .registry import (
@@ -28,14 +29,19 @@ from .registry import (
     PruningMethod,
     get_method,
     is_adaptive,
+    media,
+    method_kind,
     register_method,
     registered_methods,
     retained_count,
     retention_mask,
     unregister_method,
     uses_text,
+    validate_image_pruning,
+    validate_llm_pruning,
     validate_video_pruning,
 )
+from .llm import LLMPruning, Stage, plan_llm_pruning
 
 __all__ = [
     # the registry
@@ -50,6 +56,10 @@ __all__ = [
     "is_adaptive",
     "uses_text",
     "validate_video_pruning",
+    "validate_image_pruning",
+    "validate_llm_pruning",
+    "method_kind",
+    "media",
     "retained_count",
     "retention_mask",
     # orchestration (what the model calls)
@@ -58,6 +68,11 @@ __all__ = [
     "placeholder_tokens",
     "prune_video_tokens",
     "retention_maps",
+    # in the language model
+    "Stage",
+    "LLMPruning",
+    "plan_llm_pruning",
+    "llm",
     # helpers and the built-in methods
     "concat_levels",
     "frame_counts",
@@ -73,3 +88,7 @@ register_method("vidcom2", vidcom2)
 register_method("random", baselines.RandomSelection(seed=0))
 register_method("spatial_grid", baselines.SpatialGrid())
 register_method("temporal", baselines.TemporalSubsample())
+register_method("visionzip", visionzip.VisionZip())
+register_method("divprune", divprune.DivPrune())
+register_method("fastv", llm.FastV())
+register_method("pyramiddrop", llm.PyramidDrop())

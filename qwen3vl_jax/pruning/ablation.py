@@ -7,6 +7,12 @@ agreement of the next-token distribution, greedy tokens matching the unpruned co
 the first difference) and, for multiple-choice items, the predicted letter and whether it is right.
 Rate 0 is the unpruned run itself, recorded once per item under the method name "none".
 
+Methods: any registered post-encoder method (a method prunes the items of the media it handles,
+`registry.media`; items of the other kind run whole, as the unpruned run) and the in-LLM methods,
+named `fastv[@K]` or `pyramiddrop[@K1,K2,...]` (`llm.llm_option`: the default layers, the rate per
+stage). Every row also records the language model's prefill FLOPs (`llm.prefill_flops`: each
+layer over the tokens it holds), since in-LLM methods save compute only after their first layer.
+
 Scoring (`score=`): "loglik" picks the option letter with the highest log-probability as the first
 answer token (deterministic, one forward pass); "generate" decodes a few greedy tokens and parses
 the letter (`tasks.parse_letter`; no letter counts as wrong).
@@ -59,6 +65,7 @@ class AblationRow:
     answer: str | None = None
     prediction: str | None = None
     correct: bool | None = None
+    prefill_flops: float | None = None  # the language model's prefill matmul FLOPs (rows of older runs: None)
 
     @property
     def key(self) -> tuple[str, str, float]:
@@ -82,6 +89,7 @@ class SummaryRow:
     matching_continuation: float
     fps: str  # the distinct values, "/"-joined
     max_frames: str
+    prefill_flops: float | None = None
 
 
 def builtin_videos(frames: int = 32, height: int = 128, width: int = 160) -> dict[str, np.ndarray]:
@@ -174,15 +182,27 @@ def run_ablation(
     from tqdm.auto import tqdm
 
     from ..model import MODEL_INPUTS
-    from .registry import validate_video_pruning
+    from .llm import llm_option, prefill_flops
+    from .registry import get_method, media, method_kind, validate_llm_pruning, validate_video_pruning
 
     if score not in ("loglik", "generate"):
         raise ValueError(f"score must be 'loglik' or 'generate', got {score!r}")
-    for method in methods:
-        validate_video_pruning(method, 0.0)  # unknown names fail before any work
+    layers = model.config.text.num_hidden_layers
+
+    def in_llm(method):  # "fastv@2" names the registered "fastv"
+        return method_kind(method.partition("@")[0]) == "llm"
+
+    for method in methods:  # unknown names and bad layers fail before any work
+        if in_llm(method):
+            name, stages = validate_llm_pruning(llm_option(method, 0.0, layers))
+            if stages[-1].layer >= layers:
+                raise ValueError(f"in-LLM pruning method {method!r} drops at layer {stages[-1].layer}, but the model "
+                                 f"has {layers} decoder layers (layers 1 .. {layers - 1} can be pruned)")
+        else:
+            get_method(method)
     for rate in rates:
         if rate != 0:
-            validate_video_pruning(methods[0] if methods else None, rate)
+            validate_video_pruning(None, rate)  # the rate alone
     if isinstance(items, dict):
         items = video_items(items)
     ids = [item.id for item in items]
@@ -204,13 +224,26 @@ def run_ablation(
             letter_ids[letter] = tokens[0]
         return letter_ids[letter]
 
-    def inputs_for(item: TaskItem, pruning):
+    def options(item: TaskItem, method, rate):
+        """The model's keywords for `method` at `rate` on `item` (empty: the item runs whole)."""
+        if method is None:
+            return {}
+        if in_llm(method):
+            return {"llm_pruning": llm_option(method, rate, layers)}
+        if item.kind not in media(method):
+            return {}
+        if item.kind == "video":
+            return {"video_pruning": validate_video_pruning(method, rate)}
+        return {"image_pruning": (method, rate)}
+
+    def inputs_for(item: TaskItem, pruning: dict):
         text = mc_prompt(item.question, item.options) if item.options else item.question
         content = [{"type": item.kind}, {"type": "text", "text": text}]
         prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
         rate_fps, cap = item.fps or fps, item.max_frames or max_frames
         if item.kind == "image":
-            batch = processor(text=[prompt], images=[item.media], return_tensors="np")
+            batch = processor(text=[prompt], images=[item.media], return_tensors="np",
+                              image_pruning=pruning.get("image_pruning"))
         else:
             video, meta = item.media, None
             if isinstance(video, (str, os.PathLike)) and os.fspath(video).endswith(".npy"):
@@ -218,13 +251,25 @@ def run_ablation(
             if not isinstance(video, (str, os.PathLike)):  # decoded frames, recorded at the sampling fps
                 meta = [{"fps": rate_fps, "total_num_frames": len(video)}]
             batch = processor(text=[prompt], videos=[video], video_metadata=meta, return_tensors="np",
-                              video_pruning=pruning, fps=rate_fps, max_frames=cap)
+                              video_pruning=pruning.get("video_pruning"), fps=rate_fps, max_frames=cap)
         return {k: batch[k] for k in MODEL_INPUTS if k in batch}, rate_fps, cap
 
-    def run(item: TaskItem, pruning):
+    def run(item: TaskItem, pruning: dict):
         batch, rate_fps, cap = inputs_for(item, pruning)
-        kw = {"video_pruning": pruning, "vision_encoder": vision_encoder}
-        logits = np.asarray(model(**batch, **kw)[0, -1], np.float64)
+        kw = {**pruning, "vision_encoder": vision_encoder}
+        out = model(**batch, **kw)
+        visual = (batch["input_ids"] == model.config.video_token_id) | (batch["input_ids"] == model.config.image_token_id)
+        tokens_per_layer = [batch["input_ids"].shape[1]] * layers
+        kept = int(visual.sum())
+        if "llm_pruning" in pruning:  # the stages' rows: input positions, -1 padding
+            out, stages = out
+            starts = [s.layer for s in validate_llm_pruning(pruning["llm_pruning"])[1]]
+            for start, rows in zip(starts, stages):
+                rows = np.asarray(rows)[0]
+                tokens_per_layer[start:] = [int((rows >= 0).sum())] * (layers - start)
+            rows = np.asarray(stages[-1])[0]
+            kept = int(visual[0][rows[rows >= 0]].sum())
+        logits = np.asarray(out[0, -1], np.float64)
         length = batch["input_ids"].shape[1]
         new = max(continuation, answer_tokens if score == "generate" else 0, 1)
         tokens = model.generate(**batch, max_new_tokens=new, eos_token_id=[], **kw)[0, length:]
@@ -233,7 +278,6 @@ def run_ablation(
             timings = {}
             model.generate(**batch, max_new_tokens=1, timings=timings, **kw)
             seconds.append(timings["prepare"] + timings["prefill"])
-        visual = (batch["input_ids"] == model.config.video_token_id) | (batch["input_ids"] == model.config.image_token_id)
         prediction = None
         if item.options:
             letters = item.letters
@@ -242,8 +286,9 @@ def run_ablation(
                 prediction = letters[int(np.argmax([logp[letter_token(x)] for x in letters]))]
             else:
                 prediction = parse_letter(processor.decode(tokens[:answer_tokens]), letters)
-        return dict(logits=logits, tokens=tokens[:continuation], kept=int(visual.sum()), fps=rate_fps, cap=cap,
-                    seconds=min(seconds) if seconds else float("nan"), prediction=prediction)
+        return dict(logits=logits, tokens=tokens[:continuation], kept=kept, fps=rate_fps, cap=cap,
+                    seconds=min(seconds) if seconds else float("nan"), prediction=prediction,
+                    flops=prefill_flops(model.config.text, tokens_per_layer))
 
     baselines: dict[str, dict] = {}
     bar = tqdm(todo, disable=not progress, desc="ablation", unit="row")
@@ -251,9 +296,9 @@ def run_ablation(
         for item, method, rate in bar:
             bar.set_postfix_str(f"{item.id} {method} {rate}")
             if item.id not in baselines:
-                baselines[item.id] = run(item, None)
+                baselines[item.id] = run(item, {})
             base = baselines[item.id]
-            out = base if method == UNPRUNED else run(item, (method, rate))
+            out = base if method == UNPRUNED else run(item, options(item, method, rate))
             p, q = _softmax(base["logits"]), _softmax(out["logits"])
             matching = int(np.argmin(np.append(out["tokens"] == base["tokens"], False)))
             row = AblationRow(
@@ -265,6 +310,7 @@ def run_ablation(
                 matching_continuation=matching, continuation_length=int(len(base["tokens"])),
                 answer=item.answer, prediction=out["prediction"],
                 correct=None if item.answer is None else out["prediction"] == item.answer,
+                prefill_flops=out["flops"],
             )
             sink.write(json.dumps(dataclasses.asdict(row)) + "\n")
             sink.flush()
@@ -305,6 +351,7 @@ def summarize(rows: Iterable[AblationRow]) -> list[SummaryRow]:
             matching_continuation=mean("matching_continuation"),
             fps="/".join(f"{v:g}" for v in sorted({r.fps for r in group})),
             max_frames="/".join(str(v) for v in sorted({r.max_frames for r in group})),
+            prefill_flops=None if any(r.prefill_flops is None for r in group) else mean("prefill_flops"),
         ))
     return out
 
@@ -328,7 +375,8 @@ def plot(summary: Sequence[SummaryRow], path: str | None = None):
     accuracy with its interval (when items have answers), retained tokens, time, KL, matching tokens."""
     import matplotlib.pyplot as plt
 
-    panels = [("retained_tokens", "retained visual tokens"), ("vision_prefill_s", "vision + prefill (s)"),
+    panels = [("retained_tokens", "retained visual tokens"), ("prefill_flops", "LLM prefill FLOPs"),
+              ("vision_prefill_s", "vision + prefill (s)"),
               ("next_token_kl", "next-token KL vs unpruned"), ("matching_continuation", "greedy tokens matching")]
     if any(s.accuracy is not None for s in summary):
         panels.insert(0, ("accuracy", "accuracy (95% bootstrap CI)"))

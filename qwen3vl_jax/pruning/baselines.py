@@ -10,7 +10,8 @@ their per-frame floors), so accuracy-vs-rate curves compare selection rules at e
   temporal      whole frames evenly spaced in time: `K // tpf` full frames and, when `tpf` does
                 not divide K, a regular sub-grid of `K % tpf` cells in the last chosen frame.
 
-None looks at the features, so they run on the host in numpy.
+None looks at the features, so they run on the host in numpy. All three prune images too (an
+image is one frame: `temporal` then keeps a sub-grid, like `spatial_grid`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def sub_grid(rows: int, cols: int, k: int) -> np.ndarray:
 class RandomSelection:
     """`K` tokens drawn uniformly without replacement, seeded by `seed` and the video's grid."""
 
+    media = ("image", "video")
+
     def __init__(self, seed: int = 0):
         self.seed = int(seed)
 
@@ -89,6 +92,8 @@ class RandomSelection:
 class SpatialGrid:
     """Every frame keeps a regular sub-grid; per-frame counts differ by at most one."""
 
+    media = ("image", "video")
+
     def retained_count(self, tokens_per_frame, num_frames, rate):
         return rate_count(tokens_per_frame, num_frames, rate)
 
@@ -102,6 +107,8 @@ class SpatialGrid:
 
 class TemporalSubsample:
     """Whole frames evenly spaced in time (frame subsampling at the same token count)."""
+
+    media = ("image", "video")
 
     def retained_count(self, tokens_per_frame, num_frames, rate):
         return rate_count(tokens_per_frame, num_frames, rate)

@@ -9,7 +9,10 @@ A method is any object (a module, a class instance) with two callables (docs/pru
         which of the video's N merged tokens survive; `rows` `[N, D_tot]` are its encoder rows
         `[merged | deepstack_0 | ...]` in flat frame-major order `t*R*C + r*C + c`. Exactly K trues.
 
-and two optional flags that extend the protocol:
+and optional attributes that extend the protocol:
+
+    media = ("image", "video")  what the method prunes: images (`image_pruning`, one frame: grid
+                        `(1, H, W)`, T = 1), videos (`video_pruning`) or both; default ("video",).
 
     adaptive = True     content-adaptive: K is an upper bound (the placeholder budget) and the mask
                         may keep any number of tokens in [0, K], decided from the features. The model
@@ -18,8 +21,9 @@ and two optional flags that extend the protocol:
                         embeds)`, the row's prompt text outside vision blocks and its input
                         embeddings (the language model's embedding table).
 
-`register_method(name, method)` makes `video_pruning=(name, rate)` work in the processor, the model,
-`generate`, the bucketed encoder path and the ablation; EVS and VidCom2 are registered the same way.
+`register_method(name, method)` makes `video_pruning=(name, rate)` (and `image_pruning=(name, rate)`
+for a method whose `media` holds "image") work in the processor, the model, `generate`, the
+bucketed encoder path and the ablation; EVS and VidCom2 are registered the same way.
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ __all__ = [
     "is_adaptive",
     "uses_text",
     "validate_video_pruning",
+    "validate_image_pruning",
+    "validate_llm_pruning",
+    "media",
+    "method_kind",
     "retained_count",
     "retention_mask",
 ]
@@ -85,11 +93,23 @@ def register_method(name: str, method, *, replace: bool = False):
     if not isinstance(name, str) or not name or name != name.strip():
         raise ValueError(f"a pruning method name must be a non-empty string without surrounding spaces, "
                          f"got {name!r}")
-    missing = [attr for attr in ("retained_count", "retention_mask") if not callable(getattr(method, attr, None))]
-    if missing:
-        raise ValueError(f"pruning method {name!r} ({type(method).__name__}) lacks callable {missing}; the "
-                         "protocol is retained_count(tokens_per_frame, num_frames, rate) and "
-                         "retention_mask(rows, grid_thw, spatial_merge_size, rate)")
+    if getattr(method, "kind", None) == "llm":
+        missing = [attr for attr in ("stages", "score") if not callable(getattr(method, attr, None))]
+        if missing:
+            raise ValueError(f"in-LLM pruning method {name!r} ({type(method).__name__}) lacks callable {missing}; "
+                             "the protocol is stages(options) -> (Stage, ...) and score(weights [B, H, S]) -> [B, S]")
+    else:
+        missing = [attr for attr in ("retained_count", "retention_mask")
+                   if not callable(getattr(method, attr, None))]
+        if missing:
+            raise ValueError(f"pruning method {name!r} ({type(method).__name__}) lacks callable {missing}; the "
+                             "protocol is retained_count(tokens_per_frame, num_frames, rate) and "
+                             "retention_mask(rows, grid_thw, spatial_merge_size, rate)")
+        kinds = getattr(method, "media", ("video",))
+        if (isinstance(kinds, str) or not isinstance(kinds, (tuple, list, set, frozenset)) or not kinds
+                or not set(kinds) <= {"image", "video"}):
+            raise ValueError(f"pruning method {name!r}: media must be a non-empty collection of 'image' and "
+                             f"'video', got {kinds!r}")
     if name in _REGISTRY and _REGISTRY[name] is not method and not replace:
         raise ValueError(f"pruning method {name!r} is already registered; pass replace=True to replace it")
     _REGISTRY[name] = method
@@ -110,8 +130,44 @@ def registered_methods() -> list[str]:
 def get_method(method: str):
     """The method object registered under `method`; ValueError listing the registered names otherwise."""
     if not isinstance(method, str) or method not in _REGISTRY:
-        raise ValueError(f"unknown video pruning method {method!r}; registered methods: {registered_methods()}")
+        raise ValueError(f"unknown pruning method {method!r}; registered methods: {registered_methods()}")
     return _REGISTRY[method]
+
+
+def media(method: str) -> frozenset[str]:
+    """What an encoder-side method prunes: a subset of {"image", "video"} (its `media`, default video)."""
+    return frozenset(getattr(get_method(method), "media", ("video",)))
+
+
+def method_kind(method: str) -> str:
+    """"llm" for a method that runs at decoder layers (`pruning.llm`), "encoder" for one that selects
+    from the encoder output."""
+    return "llm" if getattr(get_method(method), "kind", None) == "llm" else "encoder"
+
+
+def validate_llm_pruning(spec):
+    """`(method, stages)` for an in-LLM pruning option `(name, options)` (e.g. `("fastv", {"layer": 2,
+    "rate": 0.5})`), None for None. Every stage is kept, rate 0 included (it runs the machinery and
+    keeps every token). ValueError naming the method and the problem otherwise; whether the model
+    has the layers is checked where the model is known."""
+    if spec is None:
+        return None
+    if not isinstance(spec, (tuple, list)) or len(spec) != 2:
+        raise ValueError(f"llm_pruning must be None or a (method, options) pair such as ('fastv', {{'layer': 2, "
+                         f"'rate': 0.5}}), got {spec!r}")
+    name, options = spec
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"unknown in-LLM pruning method {name!r}; in-LLM methods: "
+                         f"{[m for m in registered_methods() if method_kind(m) == 'llm']}")
+    if method_kind(name) != "llm":
+        raise ValueError(f"pruning method {name!r} selects tokens from the encoder output, not inside the language "
+                         f"model: pass it as video_pruning / image_pruning=({name!r}, rate); in-LLM methods: "
+                         f"{[m for m in registered_methods() if method_kind(m) == 'llm']}")
+    stages = tuple(get_method(name).stages(options))
+    if not stages or any(b.layer <= a.layer for a, b in zip(stages, stages[1:])):
+        raise ValueError(f"in-LLM pruning method {name!r} returned stages {stages}; they must be non-empty with "
+                         "strictly increasing layers")
+    return name, stages
 
 
 def is_adaptive(method: str) -> bool:
@@ -124,13 +180,42 @@ def uses_text(method: str) -> bool:
     return bool(getattr(get_method(method), "uses_text", False))
 
 
-def _check_rate(rate) -> float:
+def _check_rate(rate, kind: str = "video") -> float:
     if isinstance(rate, (bool, str, bytes)) or not hasattr(rate, "__float__"):
-        raise ValueError(f"video pruning rate must be a number in [0, 1), got {rate!r}")
+        raise ValueError(f"{kind} pruning rate must be a number in [0, 1), got {rate!r}")
     rate = float(rate)
     if math.isnan(rate) or not 0.0 <= rate < 1.0:
-        raise ValueError(f"video pruning rate must be in [0, 1) (0 = off), got {rate}")
+        raise ValueError(f"{kind} pruning rate must be in [0, 1) (0 = off), got {rate}")
     return rate
+
+
+def _check_media(method: str, kind: str) -> None:
+    if method_kind(method) == "llm":
+        raise ValueError(f"pruning method {method!r} runs inside the language model, not on the encoder output: "
+                         f"pass it as llm_pruning=({method!r}, {{...}}) (docs/pruning.md §11)")
+    handles = media(method)
+    if kind not in handles:
+        able = [m for m in registered_methods() if method_kind(m) == "encoder" and kind in media(m)]
+        raise ValueError(f"pruning method {method!r} prunes {' and '.join(sorted(handles))}s only, not {kind}s; "
+                         f"{kind} methods: {able}")
+
+
+def validate_image_pruning(spec):
+    """`(method, float(rate))` when image pruning is on, None when off (None, or rate None or 0).
+
+    `spec` is None or a `(method, rate)` pair naming a registered method whose `media` holds
+    "image". ValueError naming the method and the problem otherwise (checked even when off)."""
+    if spec is None:
+        return None
+    if not isinstance(spec, (tuple, list)) or len(spec) != 2:
+        raise ValueError(f"image_pruning must be None or a (method, rate) pair such as ('divprune', 0.5), "
+                         f"got {spec!r}")
+    method, rate = spec
+    _check_media(method, "image")
+    if rate is None:
+        return None
+    rate = _check_rate(rate, "image")
+    return None if rate == 0.0 else (method, rate)
 
 
 def validate_video_pruning(*spec):
@@ -155,7 +240,7 @@ def validate_video_pruning(*spec):
     method, rate = spec
     if method is None:
         method = DEFAULT_METHOD
-    get_method(method)
+    _check_media(method, "video")
     if rate is None:
         return None
     rate = _check_rate(rate)
