@@ -72,7 +72,7 @@ def main(argv=None) -> None:
         parser.error("--items must be >= 1")
 
     from qwen3vl_jax import EncoderRunner, Qwen3VL, Qwen3VLProcessor
-    from qwen3vl_jax.default import TRAIN_SEED, default_checkpoint
+    from qwen3vl_jax.default import TRAIN_SEED, WARM_SEED, default_checkpoint
     from qwen3vl_jax.pruning import synthetic
     from qwen3vl_jax.pruning.ablation import builtin_videos, run_ablation, summarize
     from qwen3vl_jax.pruning.tasks import load_dataset, synthetic_dataset
@@ -85,8 +85,9 @@ def main(argv=None) -> None:
     elif args.video or args.builtin_clips:
         items = {os.path.basename(v): v for v in args.video} if args.video else builtin_videos()
     else:
-        if args.task_seed == TRAIN_SEED:
-            parser.error(f"--task-seed {TRAIN_SEED} is the default's training seed; held-out items need another")
+        if args.task_seed in (TRAIN_SEED, WARM_SEED):
+            parser.error(f"--task-seed {args.task_seed} is a seed the default was trained on; held-out items need "
+                         "another")
         tasks = synthetic.make_set(args.items * len(synthetic.VIDEO_FAMILIES), seed=args.task_seed,
                                    families=synthetic.VIDEO_FAMILIES)
         items = load_dataset(synthetic.write_jsonl(tasks, os.path.join(args.out, "tasks")))
