@@ -48,7 +48,7 @@ def default_cache_dir() -> str:
 
 
 def ensure_tiny_checkpoint(cache_dir: str | None = None, *, rebuild: bool = False) -> str:
-    """The built-in tiny default as an Orbax directory, synthesized and converted on first use (and
+    """The random tiny checkpoint (the parity fixture) as an Orbax directory, synthesized and converted on first use (and
     again with `rebuild`, for a damaged cache)."""
     from .convert import atomic_directory, copy_side_files
     from .model import Qwen3VL

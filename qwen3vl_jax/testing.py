@@ -10,7 +10,8 @@
   chat template,
 - `preprocessor_config.json`, `video_preprocessor_config.json`, `generation_config.json`.
 
-It is the built-in default of the demo and the fixture of the tests.
+It is the fixture of the parity tests (the built-in default of the demo is the trained
+`qwen3vl_jax/default_model/`, `qwen3vl_jax.default`).
 """
 
 from __future__ import annotations
