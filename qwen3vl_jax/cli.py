@@ -48,8 +48,8 @@ def default_cache_dir() -> str:
 
 
 def ensure_tiny_checkpoint(cache_dir: str | None = None, *, rebuild: bool = False) -> str:
-    """The random tiny checkpoint (the parity fixture) as an Orbax directory, synthesized and converted on first use (and
-    again with `rebuild`, for a damaged cache)."""
+    """The random tiny checkpoint (the parity fixture) as an Orbax directory, synthesized and converted
+    on first use (and again with `rebuild`, for a damaged cache)."""
     from .convert import atomic_directory, copy_side_files
     from .model import Qwen3VL
     from .testing import make_tiny_checkpoint
