@@ -31,6 +31,12 @@ import argparse
 import os
 
 
+def _span(values: str) -> str:
+    """A summary's "/"-joined distinct values, as "low-high" when there are more than two."""
+    parts = values.split("/")
+    return values if len(parts) <= 2 else f"{parts[0]}-{parts[-1]}"
+
+
 def accuracy_table(summary) -> str:
     """A Markdown table: one row per (method, rate), one column per family (and all): accuracy with
     its 95% bootstrap interval."""
@@ -101,14 +107,14 @@ def main(argv=None) -> None:
                         vision_encoder=EncoderRunner(model).encode if args.bucketed else None, families=families)
     summary = summarize(rows, families)
     print(f"\n{'method':<14}{'rate':>6}{'items':>6}{'accuracy (95% CI)':>22}{'kept':>8}{'vis+pre s':>11}"
-          f"{'peak MB':>9}{'KL':>10}{'top1':>6}{'match':>7}{'fps':>6}{'cap':>6}")
+          f"{'peak MB':>9}{'KL':>10}{'top1':>6}{'match':>7}{'fps':>10}{'cap':>8}")
     for s in summary:
         if s.family != "all":
             continue
         acc = "-" if s.accuracy is None else f"{s.accuracy:.3f} [{s.accuracy_low:.2f}, {s.accuracy_high:.2f}]"
         print(f"{s.method:<14}{s.rate:>6.2f}{s.items:>6}{acc:>22}{s.retained_tokens:>8.1f}{s.vision_prefill_s:>11.4f}"
               f"{s.peak_memory_mb:>9.0f}{s.next_token_kl:>10.2e}{s.top1_agree:>6.2f}{s.matching_continuation:>7.2f}"
-              f"{s.fps:>6}{s.max_frames:>6}")
+              f"{_span(s.fps):>10}{_span(s.max_frames):>8}")
     if families is not None:
         table = accuracy_table(summary)
         with open(os.path.join(args.out, "accuracy.md"), "w") as f:
