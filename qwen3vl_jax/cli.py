@@ -1,12 +1,19 @@
 """Command line: `qwen3vl-jax {demo, generate, convert, finetune, plan}`.
 
-`qwen3vl-jax demo` with no arguments uses the built-in tiny default: a tiny HF-format checkpoint
-synthesized into a cache directory (`$QWEN3VL_JAX_CACHE`, default `~/.cache/qwen3vl-jax`) and
-converted to Orbax on first use. It runs an image prompt and a generated-video prompt end to end
-and prints the generated text, token counts and per-stage timings (preprocess, vision encode,
-prefill, decode tokens/s), cold (with compilation) and warm. `--model DIR` runs a real checkpoint.
+`qwen3vl-jax demo` with no arguments uses the built-in default: a small Qwen3-VL shipped with the
+package (`qwen3vl_jax/default_model/`, HF format), trained on the synthetic tasks of docs/tasks.md
+(`qwen3vl_jax.default`). It asks one image and one video question drawn from a fresh seed (printed;
+`--task-seed` repeats it) and prints each question, the model's answer and the true answer, token
+counts and per-stage timings (preprocess, vision encode, prefill, decode tokens/s), cold (with
+compilation) and warm. `--model DIR` runs a real checkpoint; `--image F` / `--video F` / `--prompt`
+ask your own question (no known answer).
 
-`qwen3vl-jax generate --prompt ... [--image F] [--video F]` answers one prompt, streaming tokens.
+`qwen3vl-jax generate --prompt ... [--image F] [--video F]` answers one prompt, streaming tokens
+(the built-in default unless `--model`).
+
+The random tiny checkpoint of the parity tests (`testing.make_tiny_checkpoint`) is synthesized into a
+cache directory (`$QWEN3VL_JAX_CACHE`, default `~/.cache/qwen3vl-jax`) and converted to Orbax on
+first use by `ensure_tiny_checkpoint` / `load_tiny_checkpoint`.
 
 `qwen3vl-jax convert HF_DIR OUT_DIR [--dtype bfloat16]` reads an HF checkpoint (strictly checked
 from its headers first) and writes an Orbax checkpoint plus the tokenizer / processor files, which
@@ -41,8 +48,8 @@ def default_cache_dir() -> str:
 
 
 def ensure_tiny_checkpoint(cache_dir: str | None = None, *, rebuild: bool = False) -> str:
-    """The built-in tiny default as an Orbax directory, synthesized and converted on first use (and
-    again with `rebuild`, for a damaged cache)."""
+    """The random tiny checkpoint (the parity fixture) as an Orbax directory, synthesized and converted
+    on first use (and again with `rebuild`, for a damaged cache)."""
     from .convert import atomic_directory, copy_side_files
     from .model import Qwen3VL
     from .testing import make_tiny_checkpoint
@@ -78,29 +85,43 @@ def demo_video(frames: int = 32, height: int = 128, width: int = 160, seed: int 
     return video
 
 
-def _load(args):
+def load_tiny_checkpoint(dtype=None):
+    """`(path, model, processor)` of the random tiny checkpoint in the cache (`ensure_tiny_checkpoint`);
+    a damaged cache is named and rebuilt."""
     import jax.numpy as jnp
 
     from .model import Qwen3VL
     from .processing import Qwen3VLProcessor
 
-    path = args.model or ensure_tiny_checkpoint()
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
-    start = time.perf_counter()
+    dtype = jnp.float32 if dtype is None else dtype
+    path = ensure_tiny_checkpoint()
     try:
-        model, processor = Qwen3VL.from_pretrained(path, dtype=dtype), Qwen3VLProcessor.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 -- a given --model's error is the user's to see; the cache is ours
-        if args.model:
-            raise
-        print(f"the cached built-in tiny default at {path} is damaged ({type(e).__name__}: {str(e)[:200]}); "
+        return path, Qwen3VL.from_pretrained(path, dtype=dtype), Qwen3VLProcessor.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 -- the cache is ours to rebuild
+        print(f"the cached tiny checkpoint at {path} is damaged ({type(e).__name__}: {str(e)[:200]}); "
               "rebuilding it", flush=True)
         path = ensure_tiny_checkpoint(rebuild=True)
-        model, processor = Qwen3VL.from_pretrained(path, dtype=dtype), Qwen3VLProcessor.from_pretrained(path)
+        return path, Qwen3VL.from_pretrained(path, dtype=dtype), Qwen3VLProcessor.from_pretrained(path)
+
+
+def _load(args):
+    """`(path, model, processor, load seconds)`: `--model`, else the shipped default."""
+    import jax.numpy as jnp
+
+    from .default import default_checkpoint
+    from .model import Qwen3VL
+    from .processing import Qwen3VLProcessor
+
+    path = args.model or default_checkpoint()
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    start = time.perf_counter()
+    model, processor = Qwen3VL.from_pretrained(path, dtype=dtype), Qwen3VLProcessor.from_pretrained(path)
     return path, model, processor, time.perf_counter() - start
 
 
-def _request(processor, prompt: str, image=None, video=None):
-    """Processor inputs for one user turn with an optional image or video (array or file path)."""
+def _request(processor, prompt: str, image=None, video=None, fps: float = 8.0):
+    """Processor inputs for one user turn with an optional image or video (array or file path); a
+    video given as frames is taken as recorded at `fps`."""
     content, kwargs = [], {}
     if image is not None:
         content.append({"type": "image"})
@@ -109,7 +130,7 @@ def _request(processor, prompt: str, image=None, video=None):
         content.append({"type": "video"})
         kwargs["videos"] = [video]
         if not isinstance(video, (str, os.PathLike)):
-            kwargs["video_metadata"] = [{"fps": 8.0, "total_num_frames": len(video)}]
+            kwargs["video_metadata"] = [{"fps": fps, "total_num_frames": len(video)}]
     content.append({"type": "text", "text": prompt})
     text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
     return processor(text=[text], return_tensors="np", **kwargs)
@@ -126,21 +147,46 @@ def _generate(model, inputs, args, timings=None, callback=None):
                           rng=jax.random.key(args.seed), timings=timings, callback=callback)
 
 
-def run_demo(args) -> None:
+def demo_items(task_seed: int):
+    """The demo's two questions: an image item and a video item of the synthetic tasks, drawn from
+    `task_seed` (a fresh seed is never one the default was trained on: its training items come from
+    `default.TRAIN_SEED` alone), the families picked by the seed too."""
+    from .pruning.synthetic import IMAGE_FAMILIES, VIDEO_FAMILIES, make_item
+
+    rng = np.random.default_rng([task_seed, 28])
+    image_family = IMAGE_FAMILIES[int(rng.integers(len(IMAGE_FAMILIES)))]
+    video_family = VIDEO_FAMILIES[int(rng.integers(len(VIDEO_FAMILIES)))]
+    return [make_item(image_family, rng), make_item(video_family, rng)]
+
+
+def run_demo(args) -> list[dict]:
+    """Print, and return per question: the question, the model's answer and the true answer (None for
+    your own media or question), with the timings."""
+    import secrets
+
     import jax
 
+    from .default import item_inputs, item_prompt
     from .model import count_params
 
     path, model, processor, load_s = _load(args)
-    print(f"checkpoint: {path}{'' if args.model else ' (built-in tiny default)'}")
+    print(f"checkpoint: {path}{'' if args.model else ' (built-in default, trained on the tasks of docs/tasks.md)'}")
     print(f"jax {jax.__version__} on {jax.default_backend()}; {count_params(model):,} parameters ({args.dtype}); "
           f"loaded in {load_s:.2f} s")
-    video = demo_video() if args.video is None else args.video
-    image = demo_image() if args.image is None else args.image
-    rows = []
-    for name, request in (("image", dict(image=image)), ("video", dict(video=video))):
+    task_seed = secrets.randbelow(2**31) + 1 if args.task_seed is None else args.task_seed
+    print(f"task seed {task_seed} (fresh items; `--task-seed {task_seed}` asks them again)")
+    rows, results = [], []
+    for item, given in zip(demo_items(task_seed), (args.image, args.video)):
+        name = item.kind
         start = time.perf_counter()
-        inputs = _request(processor, args.prompt, **request)
+        if given is not None or args.prompt is not None:  # your own media or question: no known answer
+            question, truth = args.prompt or item_prompt(item)[0], None
+            media = given if given is not None else item.media
+            inputs = _request(processor, question, **{name: media}, fps=item.fps or 8.0)
+            label = f"{name}: {given}" if given is not None else f"{name}: {item.family}"
+        else:
+            (question, truth), label = item_prompt(item), f"{name}: {item.family}"
+            inputs = item_inputs(processor, item)
         preprocess = time.perf_counter() - start
         runs = []
         for _ in range(2):  # cold (compiles) then warm
@@ -150,9 +196,17 @@ def run_demo(args) -> None:
         prompt_len = inputs["input_ids"].shape[1]
         new = out[0, prompt_len:]
         grid_key = "image_grid_thw" if name == "image" else "video_grid_thw"
-        print(f"\n[{name}] grid_thw {inputs[grid_key].tolist()}, prompt {prompt_len} tokens, "
+        answer = processor.decode(new, skip_special_tokens=True).strip()
+        print(f"\n[{label}] grid_thw {inputs[grid_key].tolist()}, prompt {prompt_len} tokens, "
               f"generated {len(new)} tokens")
-        print(f"  text: {processor.decode(new)!r}")
+        print(f"  question: {question}")
+        print(f"  answer:   {answer!r}")
+        if truth is None:
+            print("  truth:    unknown (your own media or question)")
+        else:
+            print(f"  truth:    {truth!r} ({'right' if answer == truth else 'wrong'})")
+        results.append({"kind": name, "family": None if given is not None else item.family, "question": question,
+                        "answer": answer, "truth": truth})
         for label, t in (("cold", runs[0]), ("warm", runs[1])):
             rows.append((f"{name} {label}", preprocess, t["prepare"], t["prefill"], t["decode"],
                          max(t["new_tokens"] - 1, 0) / t["decode"] if t["decode"] > 0 else float("nan")))
@@ -161,6 +215,7 @@ def run_demo(args) -> None:
     for name, pre, vis, prefill, decode, rate in rows:
         print(f"{name:<14}{pre * 1e3:>15.1f}{vis * 1e3:>16.1f}{prefill * 1e3:>12.1f}{decode * 1e3:>11.1f}{rate:>14.1f}")
     print("(cold runs include compilation; 'vision+host' is the vision encoder plus host bookkeeping)")
+    return results
 
 
 def run_generate(args) -> None:
@@ -265,6 +320,8 @@ def check_arguments(args) -> None:
         positive_int("--max-new-tokens", args.max_new_tokens)
         non_negative_number("--temperature", args.temperature)
         non_negative_int("--seed", args.seed)
+        if getattr(args, "task_seed", None) is not None:
+            non_negative_int("--task-seed", args.task_seed)
         for name in ("image", "video"):
             if getattr(args, name) is not None:
                 existing_file(f"--{name}", getattr(args, name))
@@ -287,16 +344,22 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="qwen3vl-jax", description="Qwen3-VL in JAX, Flax NNX and Pallas")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text, prompt in (
-        ("demo", "image and video prompts end to end (built-in tiny default unless --model)",
-         "Describe what you see."),
-        ("generate", "answer one prompt, streaming the tokens", None),
+    for name, help_text in (
+        ("demo", "an image and a video question end to end: the model's answer and the true one, with timings "
+                 "(the built-in default unless --model)"),
+        ("generate", "answer one prompt, streaming the tokens"),
     ):
+        demo = name == "demo"
         cmd = sub.add_parser(name, help=help_text)
-        cmd.add_argument("--model", help="an HF or converted checkpoint directory (default: the built-in tiny one)")
-        cmd.add_argument("--image", help="an image file" + (" (default: a generated image)" if name == "demo" else ""))
-        cmd.add_argument("--video", help="a video file" + (" (default: a generated video)" if name == "demo" else ""))
-        cmd.add_argument("--prompt", default=prompt, required=prompt is None)
+        cmd.add_argument("--model", help="an HF or converted checkpoint directory (default: the built-in default "
+                                         "model, trained on the synthetic tasks of docs/tasks.md)")
+        cmd.add_argument("--image", help="an image file" + (" (default: a generated task image)" if demo else ""))
+        cmd.add_argument("--video", help="a video file" + (" (default: a generated task video)" if demo else ""))
+        cmd.add_argument("--prompt", default=None, required=not demo,
+                         help="the question" + (" (default: the generated item's question)" if demo else ""))
+        if demo:
+            cmd.add_argument("--task-seed", type=int, default=None,
+                             help="seed of the generated items (default: a fresh one, printed)")
         cmd.add_argument("--max-new-tokens", type=int, default=32)
         cmd.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples with --seed")
         cmd.add_argument("--seed", type=int, default=0)

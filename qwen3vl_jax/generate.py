@@ -58,6 +58,7 @@ from .text import KVCache
 
 __all__ = [
     "generate",
+    "next_token_logits",
     "GenerationConfig",
     "COMPILE_COUNTS",
     "bucket_length",
@@ -471,6 +472,51 @@ def generate(
     if timings is not None:
         timings["new_tokens"] = len(generated)
     return np.concatenate([ids.astype(np.int64), np.stack(generated, axis=1)], axis=1)
+
+
+def next_token_logits(
+    model,
+    input_ids,
+    attention_mask=None,
+    mm_token_type_ids=None,
+    pixel_values=None,
+    image_grid_thw=None,
+    pixel_values_videos=None,
+    video_grid_thw=None,
+    *,
+    min_bucket: int = MIN_BUCKET,
+    video_pruning: tuple[str, float] | None = None,
+    vision_encoder=None,
+    video_timestamps=None,
+    video_metadata=None,
+) -> np.ndarray:
+    """`[B, V]` float32 numpy: the logits of the token after each (left-padded) prompt, from the very
+    prefill greedy `generate` runs (its prompt bucket, its positions), so scoring many prompts of
+    different lengths compiles once per length bucket and shares the compile with `generate`; greedy
+    `generate`'s first token is their argmax. Arguments as `generate`."""
+    ids = np.asarray(input_ids)
+    mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
+    if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a non-empty [batch, length] array, got shape {ids.shape}")
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
+    if not mask[:, -1].all():
+        raise ValueError("batches must be left-padded: the last prompt column has padding "
+                         "(use the processor's padding_side='left')")
+    _, pad_id = _resolve_ids(model, None, None)
+    inputs = model.prepare_inputs(ids, mask, mm_token_type_ids, pixel_values, image_grid_thw,
+                                  pixel_values_videos, video_grid_thw, video_pruning=video_pruning,
+                                  vision_encoder=vision_encoder)
+    inputs = _generation_positions(inputs)
+    bucket = bucket_length(ids.shape[1], model.config.text, min_bucket)
+    inputs = _pad_left(inputs, bucket, pad_id)
+    graphdef, state = nnx.split(model)
+    embeds, deepstack = _embed(graphdef, state, inputs)
+    sampling = (jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0))
+    # The cache size greedy generate uses for up to CACHE_ROUND new tokens: the same compile.
+    _, logits, _ = prefill(graphdef, state, embeds, deepstack, inputs.positions, inputs.attention_mask,
+                           jax.random.key(0), *sampling, slots=cache_length(bucket, 1), do_sample=False)
+    return np.asarray(logits, np.float32)
 
 
 class _StageClock:

@@ -10,7 +10,8 @@
   chat template,
 - `preprocessor_config.json`, `video_preprocessor_config.json`, `generation_config.json`.
 
-It is the built-in default of the demo and the fixture of the tests.
+It is the fixture of the parity tests (the built-in default of the demo is the trained
+`qwen3vl_jax/default_model/`, `qwen3vl_jax.default`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import numpy as np
 
 from .config import Qwen3VLConfig, TextConfig, VisionConfig
 
-__all__ = ["SPECIAL_TOKENS", "CHAT_TEMPLATE", "tiny_config", "make_tiny_checkpoint", "random_params"]
+__all__ = ["SPECIAL_TOKENS", "CHAT_TEMPLATE", "tiny_config", "make_tiny_checkpoint", "random_params", "bpe_tokenizer",
+           "write_checkpoint_files"]
 
 # Qwen's special tokens, in Qwen's id order (they follow the BPE vocabulary).
 SPECIAL_TOKENS = (
@@ -84,11 +86,13 @@ _CORPUS = [
 _BPE_VOCAB_SIZE = 480
 
 
-def _build_tokenizer():
+def bpe_tokenizer(corpus, vocab_size: int):
+    """A byte-level BPE tokenizer in Qwen's pipeline, as its tokenizer.json carries it (NFC, Qwen's
+    split regex, byte-level), trained on `corpus` (strings) up to `vocab_size` entries, with
+    `SPECIAL_TOKENS` appended after the BPE vocabulary (Qwen's id order). Deterministic."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    # Qwen's pipeline, as its tokenizer.json carries it: NFC, Qwen's split regex, then byte-level.
     tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False))
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
@@ -97,15 +101,19 @@ def _build_tokenizer():
     ])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=_BPE_VOCAB_SIZE,
+        vocab_size=vocab_size,
         min_frequency=1,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    tokenizer.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tokenizer.train_from_iterator(list(corpus), trainer=trainer)
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     return tokenizer
+
+
+def _build_tokenizer():
+    return bpe_tokenizer(_CORPUS * 4, _BPE_VOCAB_SIZE)
 
 
 def tiny_config(vocab_size: int, special_ids: dict[str, int]) -> Qwen3VLConfig:
@@ -214,6 +222,26 @@ def make_tiny_checkpoint(
     params = random_params(config, seed=seed)
     tensors = {name: value.astype(np_dtype) for name, value in export_hf_tensors(params, config, expert_layout=expert_layout).items()}
     write_safetensors(tensors, directory, max_shard_bytes)
+    write_checkpoint_files(directory, config, tokenizer, dtype=dtype, rope_form=rope_form,
+                           image_size=image_size or {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 256},
+                           video_size=video_size or {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 1024})
+    return directory
+
+
+def write_checkpoint_files(directory: str | os.PathLike, config: Qwen3VLConfig, tokenizer, *, dtype: str,
+                           image_size: dict[str, int], video_size: dict[str, int], rope_form: str = "v5",
+                           video_sampling: dict[str, Any] | None = None) -> None:
+    """Everything of an HF-format checkpoint but the weights: `config.json`, `generation_config.json`,
+    the tokenizer files (`tokenizer` from `bpe_tokenizer`, with Qwen's chat template) and the image and
+    video processor configs (Qwen3-VL's released values with `image_size` / `video_size` as their
+    `size`; `video_sampling` overrides the video processor's fps = 2, min_frames = 4, max_frames = 64)."""
+    if rope_form not in ("v5", "legacy"):
+        raise ValueError(f"rope_form must be 'v5' or 'legacy', got {rope_form!r}")
+    directory = os.fspath(directory)
+    special_ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
+    missing = [tok for tok, i in special_ids.items() if i is None]
+    if missing:
+        raise ValueError(f"tokenizer lacks Qwen's special tokens {missing}; build it with bpe_tokenizer")
 
     # -- config
     hf = config.to_hf_dict()
@@ -274,20 +302,20 @@ def make_tiny_checkpoint(
     _write_json(directory, "preprocessor_config.json", {
         **common,
         "image_processor_type": "Qwen2VLImageProcessor",
-        "size": image_size or {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 256},
+        "size": image_size,
     })
     _write_json(directory, "video_preprocessor_config.json", {
         **common,
         "video_processor_type": "Qwen3VLVideoProcessor",
-        "size": video_size or {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 1024},
+        "size": video_size,
         "do_sample_frames": True,
         "cap_pixels_per_frame": False,  # explicit: HF warns while its default is unset
         "fps": 2,
         "min_frames": 4,
         "max_frames": 64,
         "return_metadata": True,
+        **(video_sampling or {}),
     })
-    return directory
 
 
 # ----------------------------------------------------------------------------------------------
@@ -297,7 +325,9 @@ __all__ += ["write_video", "make_tiny_dataset"]
 
 
 def write_video(path: str | os.PathLike, frames: np.ndarray, fps: float, codec: str = "mpeg4") -> str:
-    """Encode uint8 frames `(T, H, W, 3)` to a video file with PyAV; returns the path."""
+    """Encode uint8 frames `(T, H, W, 3)` to a video file with PyAV; returns the path.
+
+    `codec="png"` (in a `.mov` file) is lossless: PyAV decodes the very pixels back, at `fps`."""
     from fractions import Fraction
 
     import av
@@ -305,7 +335,7 @@ def write_video(path: str | os.PathLike, frames: np.ndarray, fps: float, codec: 
     with av.open(os.fspath(path), "w") as container:
         stream = container.add_stream(codec, rate=Fraction(fps).limit_denominator(1001))
         stream.width, stream.height = frames.shape[2], frames.shape[1]
-        stream.pix_fmt = "yuv420p"
+        stream.pix_fmt = "rgb24" if codec == "png" else "yuv420p"
         for frame in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)

@@ -4,6 +4,7 @@ bootstrap intervals, rows and files, resuming without recomputing, and the data-
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from qwen3vl_jax import pruning
 from qwen3vl_jax.processing import Qwen3VLProcessor
-from qwen3vl_jax.pruning.ablation import bootstrap_ci, builtin_videos, run_ablation, summarize
+from qwen3vl_jax.pruning.ablation import AblationRow, bootstrap_ci, builtin_videos, run_ablation, summarize
 from qwen3vl_jax.pruning.tasks import (
     SYNTHETIC_COLORS,
     load_dataset,
@@ -256,3 +257,35 @@ def test_script_synthetic_run_and_bad_dataset(tiny_dir, tmp_path, capsys):
     bad.write_text(json.dumps({"video": "x.mp4", "question": "Q?"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: \"options\" must be a list"):
         _script().main(["--model", str(tiny_dir), "--dataset", str(bad), "--out", str(tmp_path / "bad")])
+
+
+def test_script_default_runs_held_out_task_families(tiny_dir, tmp_path, capsys):
+    """No data argument: held-out items of the three video families, accuracy per family in
+    summary.csv, the Markdown table and the plot."""
+    out = tmp_path / "tasks"
+    _script().main(["--model", str(tiny_dir), "--items", "1", "--out", str(out), "--methods", "temporal",
+                    "--rates", "0", "0.5", "--continuation", "1", "--timing-repeats", "1", "--bucketed"])
+    printed = capsys.readouterr().out
+    assert "accuracy per family" in printed
+    with open(out / "summary.csv") as f:
+        table = list(csv.DictReader(f))
+    assert {(r["family"], r["method"]) for r in table} == {
+        (family, method) for family in ("all", "direction", "order", "hidden") for method in ("none", "temporal")}
+    assert all(int(r["items"]) == (3 if r["family"] == "all" else 1) for r in table)
+    lines = (out / "accuracy.md").read_text().splitlines()
+    assert lines[0] == "| method | rate | all | direction | order | hidden |" and len(lines) == 4
+    assert (out / "tasks" / "dataset.jsonl").is_file() and (out / "ablation.png").is_file()
+    with pytest.raises(SystemExit):
+        _script().main(["--model", str(tiny_dir), "--task-seed", "0", "--out", str(tmp_path / "seed0")])
+
+
+def test_summaries_per_family_need_every_item_named(tmp_path):
+    row = AblationRow(item="a", method="none", rate=0.0, score="loglik", fps=2.0, max_frames=4, video_tokens=4,
+                      retained_tokens=4, vision_prefill_s=0.1, peak_memory_mb=1.0, next_token_kl=0.0,
+                      top1_agree=True, matching_continuation=1, continuation_length=1, answer="A", prediction="A",
+                      correct=True)
+    wrong = dataclasses.replace(row, item="b", prediction="B", correct=False)
+    summary = summarize([row, wrong], {"a": "x", "b": "y"})
+    assert [(s.family, s.items, s.accuracy) for s in summary] == [("all", 2, 0.5), ("x", 1, 1.0), ("y", 1, 0.0)]
+    with pytest.raises(ValueError, match=r"no family for item\(s\) \['b'\]"):
+        summarize([row, wrong], {"a": "x"})

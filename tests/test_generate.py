@@ -125,6 +125,28 @@ def test_warmup_compiles_ahead(jax_model):
     assert {k: COMPILE_COUNTS[k] - before[k] for k in ("prefill", "decode")} == {"prefill": 0, "decode": 0}
 
 
+def test_next_token_logits_are_the_forward_and_the_prefill(processor, jax_model):
+    """The scoring entry point: on a padded batch with an image, the logits equal the plain forward's
+    last-position logits of each row, their argmax is greedy generate's first token, and the prompt
+    lengths of one bucket share the prefill compile."""
+    batch = _np(_inputs(processor, "batch_left_padding"))
+    logits = gen.next_token_logits(jax_model, **batch)
+    assert logits.shape == (2, jax_model.config.text.vocab_size) and logits.dtype == np.float32
+    length = batch["input_ids"].shape[1]
+    first = jax_model.generate(**batch, max_new_tokens=1, eos_token_id=[])[:, length]
+    np.testing.assert_array_equal(logits.argmax(-1), first)
+    single = {k: v[1:] for k, v in _np(_inputs(processor, "text_batch_left_padding")).items()}
+    real = single["attention_mask"][0].astype(bool)
+    forward = np.asarray(jax_model(input_ids=single["input_ids"][:, real]))[0, -1]
+    np.testing.assert_allclose(gen.next_token_logits(jax_model, **single)[0], forward, atol=1e-4, rtol=1e-4)
+    before = COMPILE_COUNTS["prefill"]
+    for n in (5, 9, 14):
+        gen.next_token_logits(jax_model, np.arange(10, 10 + n)[None])
+    assert COMPILE_COUNTS["prefill"] - before <= 1
+    with pytest.raises(ValueError, match="left-padded"):
+        gen.next_token_logits(jax_model, np.array([[5, 6, 0]]), np.array([[1, 1, 0]]))
+
+
 def test_right_padding_is_refused(jax_model):
     with pytest.raises(ValueError, match="left-padded"):
         jax_model.generate(np.array([[5, 6, 0]]), np.array([[1, 1, 0]]), max_new_tokens=2)

@@ -238,14 +238,11 @@ def test_a_jsonl_that_is_not_utf8_names_the_line(tmp_path):
         read_jsonl(path)
 
 
-def test_a_damaged_cached_tiny_default_is_named_and_rebuilt(tmp_path, monkeypatch, capsys):
-    import argparse
-
+def test_a_damaged_cached_tiny_checkpoint_is_named_and_rebuilt(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("QWEN3VL_JAX_CACHE", str(tmp_path))
-    args = argparse.Namespace(model=None, dtype="float32")
     path = cli.ensure_tiny_checkpoint()
     (tmp_path / cli.TINY_NAME / "tokenizer.json").write_text("{ not json")  # damaged
-    loaded, model, processor, _ = cli._load(args)
+    loaded, model, processor = cli.load_tiny_checkpoint()
     assert loaded == path and "is damaged" in capsys.readouterr().out
     assert processor.decode(processor("hello")["input_ids"][0]) == "hello"
     assert json.loads((tmp_path / cli.TINY_NAME / "tokenizer.json").read_text())  # rebuilt whole

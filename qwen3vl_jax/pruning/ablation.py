@@ -90,6 +90,7 @@ class SummaryRow:
     fps: str  # the distinct values, "/"-joined
     max_frames: str
     prefill_flops: float | None = None
+    family: str = "all"  # the task family of the items (`summarize(rows, families=...)`), or all of them
 
 
 def builtin_videos(frames: int = 32, height: int = 128, width: int = 160) -> dict[str, np.ndarray]:
@@ -171,6 +172,7 @@ def run_ablation(
     vision_encoder=None,
     progress: bool = True,
     on_row: Callable[[AblationRow], None] | None = None,
+    families: dict[str, str] | None = None,
 ) -> list[AblationRow]:
     """Run every missing row, append it to `out_dir/ablation.jsonl`, then write the CSVs and the plot.
 
@@ -178,9 +180,12 @@ def run_ablation(
     (open-ended, `video_items`). `fps` / `max_frames`: sampling defaults for items that set none.
     `continuation`: greedy tokens compared with the unpruned run (0 skips that figure).
     `vision_encoder`: as in `Qwen3VL.prepare_inputs`, e.g. `EncoderRunner(model).encode` (bucketed).
+    `families`: item id -> task family; `summary.csv` and the plot then break accuracy down by family
+    (`summarize`).
     """
     from tqdm.auto import tqdm
 
+    from ..generate import next_token_logits
     from ..model import MODEL_INPUTS
     from .llm import llm_option, prefill_flops
     from .registry import get_method, media, method_kind, validate_llm_pruning, validate_video_pruning
@@ -245,19 +250,25 @@ def run_ablation(
             batch = processor(text=[prompt], images=[item.media], return_tensors="np",
                               image_pruning=pruning.get("image_pruning"))
         else:
-            video, meta = item.media, None
+            video, meta, sampling = item.media, None, {"fps": rate_fps}
             if isinstance(video, (str, os.PathLike)) and os.fspath(video).endswith(".npy"):
                 video = np.load(video)
             if not isinstance(video, (str, os.PathLike)):  # decoded frames, recorded at the sampling fps
                 meta = [{"fps": rate_fps, "total_num_frames": len(video)}]
+                # Sampling at the recorded fps keeps every frame up to the cap. Asked by count: by fps,
+                # int(T / fps * fps) is T - 1 for some fps (float rounding), which drops a frame.
+                sampling = {"num_frames": min(len(video), cap)}
             batch = processor(text=[prompt], videos=[video], video_metadata=meta, return_tensors="np",
-                              video_pruning=pruning.get("video_pruning"), fps=rate_fps, max_frames=cap)
+                              video_pruning=pruning.get("video_pruning"), max_frames=cap, **sampling)
         return {k: batch[k] for k in MODEL_INPUTS if k in batch}, rate_fps, cap
 
     def run(item: TaskItem, pruning: dict):
         batch, rate_fps, cap = inputs_for(item, pruning)
         kw = {**pruning, "vision_encoder": vision_encoder}
-        out = model(**batch, **kw)
+        visual_kinds = "llm_pruning" in pruning or "image_pruning" in pruning
+        # Without in-LLM or image pruning: the prefill generation runs (prompt buckets), so one compile
+        # per bucket, not one per prompt length; with them, the forward (it returns the stages' rows).
+        out = model(**batch, **kw) if visual_kinds else None
         visual = (batch["input_ids"] == model.config.video_token_id) | (batch["input_ids"] == model.config.image_token_id)
         tokens_per_layer = [batch["input_ids"].shape[1]] * layers
         kept = int(visual.sum())
@@ -269,7 +280,10 @@ def run_ablation(
                 tokens_per_layer[start:] = [int((rows >= 0).sum())] * (layers - start)
             rows = np.asarray(stages[-1])[0]
             kept = int(visual[0][rows[rows >= 0]].sum())
-        logits = np.asarray(out[0, -1], np.float64)
+        if visual_kinds:
+            logits = np.asarray(out[0, -1], np.float64)
+        else:
+            logits = next_token_logits(model, **batch, **kw)[0].astype(np.float64)
         length = batch["input_ids"].shape[1]
         new = max(continuation, answer_tokens if score == "generate" else 0, 1)
         tokens = model.generate(**batch, max_new_tokens=new, eos_token_id=[], **kw)[0, length:]
@@ -320,15 +334,27 @@ def run_ablation(
     wanted = {(item.id, m, r) for item, m, r in plan}
     rows = sorted((r for r in done.values() if r.key in wanted), key=lambda r: (r.item, r.method, r.rate))
     write_csv(rows, os.path.join(out_dir, "ablation.csv"))
-    summary = summarize(rows)
+    summary = summarize(rows, families)
     write_csv(summary, os.path.join(out_dir, "summary.csv"))
     plot(summary, os.path.join(out_dir, "ablation.png"))
     return rows
 
 
-def summarize(rows: Iterable[AblationRow]) -> list[SummaryRow]:
+def summarize(rows: Iterable[AblationRow], families: dict[str, str] | None = None) -> list[SummaryRow]:
     """Per (method, rate), the unpruned row first: accuracy with its 95% bootstrap interval over items,
-    and the means of the other figures (the peak memory's maximum)."""
+    and the means of the other figures (the peak memory's maximum). With `families` (item id -> task
+    family), the same per family too, after the rows over all items (`SummaryRow.family`)."""
+    rows = list(rows)
+    if families is not None:
+        missing = sorted({r.item for r in rows} - set(families))
+        if missing:
+            raise ValueError(f"families: no family for item(s) {missing[:5]}")
+        out = summarize(rows)
+        present = {families[r.item] for r in rows}
+        for family in (f for f in dict.fromkeys(families.values()) if f in present):  # the caller's order
+            out += [dataclasses.replace(s, family=family) for s in summarize([r for r in rows
+                                                                               if families[r.item] == family])]
+        return out
     groups: dict[tuple[str, float], list[AblationRow]] = {}
     for row in rows:
         groups.setdefault((row.method, float(row.rate)), []).append(row)
@@ -372,20 +398,25 @@ def write_csv(rows: Iterable, path: str) -> None:
 
 def plot(summary: Sequence[SummaryRow], path: str | None = None):
     """Panels against the pruning rate, one line per method (the unpruned point starts each line):
-    accuracy with its interval (when items have answers), retained tokens, time, KL, matching tokens."""
+    accuracy with its interval (when items have answers; one panel per task family too when the
+    summary has families), retained tokens, time, KL, matching tokens."""
     import matplotlib.pyplot as plt
 
-    panels = [("retained_tokens", "retained visual tokens"), ("prefill_flops", "LLM prefill FLOPs"),
-              ("vision_prefill_s", "vision + prefill (s)"),
-              ("next_token_kl", "next-token KL vs unpruned"), ("matching_continuation", "greedy tokens matching")]
+    panels = [("retained_tokens", "retained visual tokens", "all"), ("prefill_flops", "LLM prefill FLOPs", "all"),
+              ("vision_prefill_s", "vision + prefill (s)", "all"),
+              ("next_token_kl", "next-token KL vs unpruned", "all"),
+              ("matching_continuation", "greedy tokens matching", "all")]
     if any(s.accuracy is not None for s in summary):
-        panels.insert(0, ("accuracy", "accuracy (95% bootstrap CI)"))
+        families = [f for f in dict.fromkeys(s.family for s in summary) if f != "all"]
+        panels[:0] = [("accuracy", "accuracy (95% bootstrap CI)", "all")] + [
+            ("accuracy", f"accuracy: {family}", family) for family in families]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    base = [s for s in summary if s.method == UNPRUNED]
     methods = sorted({s.method for s in summary} - {UNPRUNED})
-    for ax, (field, title) in zip(axes[0], panels):
+    for ax, (field, title, family) in zip(axes[0], panels):
+        rows = [s for s in summary if s.family == family]
+        base = [s for s in rows if s.method == UNPRUNED]
         for method in methods or [UNPRUNED]:
-            series = base + sorted((s for s in summary if s.method == method), key=lambda s: s.rate)
+            series = base + sorted((s for s in rows if s.method == method), key=lambda s: s.rate)
             if not series or getattr(series[0], field) is None:
                 continue
             rates = [s.rate for s in series]

@@ -1,0 +1,179 @@
+"""The built-in default model: a small Qwen3-VL trained from random weights on the synthetic tasks
+of `qwen3vl_jax.pruning.synthetic` (docs/tasks.md), shipped inside the package as an HF-format
+checkpoint directory (what `Qwen3VL.from_pretrained` and HF's `Qwen3VLForConditionalGeneration` /
+`AutoProcessor` load); the conversations it is trained on; and the scoring that measures it.
+
+    from qwen3vl_jax import Qwen3VL, Qwen3VLProcessor, default
+    from qwen3vl_jax.pruning import synthetic
+    path = default.default_checkpoint()
+    model, processor = Qwen3VL.from_pretrained(path), Qwen3VLProcessor.from_pretrained(path)
+    items = synthetic.make_set(70, seed=1001)               # held out: not a training seed
+    table = default.accuracy(default.evaluate(model, processor, items))  # {family: {"mc": .., "open": ..}}
+
+`scripts/train_tiny_default.py` trains it with the project's `Trainer` and writes its held-out
+figures.
+
+Scoring (`evaluate`): "mc" asks the multiple-choice form (the ablation's prompt, `tasks.mc_prompt`)
+and picks the option letter with the highest log-probability as the first answer token
+(`generate.next_token_logits`, the prefill greedy generation runs); "open" asks the open question
+(`synthetic.to_task_item(item, "open")`) and decodes greedily, right when the decoded text, stripped,
+equals the answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from .generate import next_token_logits
+from .model import MODEL_INPUTS
+from .pruning.synthetic import SyntheticItem, to_task_item
+from .pruning.tasks import mc_prompt
+
+__all__ = ["DEFAULT_MODEL_DIR", "FORMS", "TRAIN_SEED", "WARM_SEED", "default_checkpoint", "item_prompt", "item_inputs",
+           "write_sft_dataset", "Scored", "evaluate", "accuracy"]
+
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
+FORMS = ("mc", "open")
+TRAIN_SEED = 0  # the shipped default's training items come from this seed (and its colour warm-up phase
+WARM_SEED = 1_000_000  # from this one, scripts/train_tiny_default.py); held-out sets use any other
+_REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+             "preprocessor_config.json", "video_preprocessor_config.json")
+
+
+def default_checkpoint() -> str:
+    """The shipped default's directory; a clear error if the package was installed without it."""
+    missing = [name for name in _REQUIRED if not os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, name))]
+    if missing:
+        raise FileNotFoundError(
+            f"the built-in default model is incomplete at {DEFAULT_MODEL_DIR} (missing {', '.join(missing)}); "
+            "reinstall the package with its data files, or train it with scripts/train_tiny_default.py --install")
+    return DEFAULT_MODEL_DIR
+
+
+def _check_form(form: str) -> None:
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+
+
+def item_prompt(item: SyntheticItem, form: str = "open") -> tuple[str, str]:
+    """`(user text, reply)` of `item` asked in `form`: "open" the open question and the word, "mc" the
+    ablation's multiple-choice prompt and the option letter."""
+    _check_form(form)
+    task = to_task_item(item, form)
+    if form == "mc":
+        return mc_prompt(task.question, task.options), task.answer
+    return task.question, task.answer
+
+
+def item_inputs(processor, item: SyntheticItem, form: str = "open") -> dict:
+    """Processor outputs (numpy) for asking `item` in `form`, with the generation prompt. A clip is
+    given with its recorded fps (`video_metadata`), so the processor's sampling (fps 8, at most 32
+    frames in the default's config) keeps every frame, as when training reads its `.mov` file."""
+    text, _ = item_prompt(item, form)
+    messages = [{"role": "user", "content": [{"type": item.kind}, {"type": "text", "text": text}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+    if item.kind == "video":
+        return processor(text=[prompt], videos=[item.media], return_tensors="np",
+                         video_metadata=[{"fps": item.fps, "total_num_frames": len(item.media)}])
+    return processor(text=[prompt], images=[item.media], return_tensors="np")
+
+
+def write_sft_dataset(items: Sequence[SyntheticItem], directory: str | os.PathLike, *, mc_fraction: float = 0.5,
+                      seed: int = 0, name: str = "train.jsonl") -> str:
+    """A fine-tuning JSONL (`training.SFTDataset`'s format) under `directory` with the media beside it:
+    each item one conversation, its multiple-choice form (answered with the letter) with probability
+    `mc_fraction`, else its open form (answered with the word). Images are PNG, clips lossless `.mov`
+    (PNG frames) at the item's fps, which the processor decodes to the very pixels. Returns the path."""
+    from PIL import Image
+
+    from .testing import write_video
+
+    if not 0 <= mc_fraction <= 1:
+        raise ValueError(f"mc_fraction must be in [0, 1], got {mc_fraction!r}")
+    items = list(items)
+    if not items:
+        raise ValueError("items: nothing to write")
+    directory = os.fspath(directory)
+    os.makedirs(os.path.join(directory, "media"), exist_ok=True)
+    rng = np.random.default_rng(seed)
+    lines = []
+    for i, item in enumerate(items):
+        media = f"media/{item.family}{i:05d}." + ("mov" if item.kind == "video" else "png")
+        if item.kind == "video":
+            write_video(os.path.join(directory, media), item.media, item.fps, codec="png")
+        else:
+            Image.fromarray(item.media).save(os.path.join(directory, media), "PNG")
+        text, reply = item_prompt(item, "mc" if rng.random() < mc_fraction else "open")
+        messages = [{"role": "user", "content": [{"type": item.kind, item.kind: media}, {"type": "text", "text": text}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": reply}]}]
+        lines.append(json.dumps({"messages": messages}) + "\n")
+    path = os.path.join(directory, name)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(lines)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """One item asked in one form."""
+
+    index: int  # the item's position in the evaluated list
+    family: str
+    form: str  # "mc" or "open"
+    truth: str  # the letter (mc) or the word (open)
+    prediction: str
+    correct: bool
+    tokens: tuple[int, ...] = ()  # open: the greedy ids after the prompt
+
+
+def _letter_ids(processor) -> dict[str, int]:
+    ids = {}
+    for letter in "ABCD":
+        tokens = processor.tokenizer.encode(letter, add_special_tokens=False).ids
+        if len(tokens) != 1:
+            raise ValueError(f"option letter {letter!r} is {len(tokens)} tokens; log-likelihood scoring needs one")
+        ids[letter] = tokens[0]
+    return ids
+
+
+def evaluate(model, processor, items: Sequence[SyntheticItem], *, forms: Sequence[str] = FORMS,
+             max_new_tokens: int = 4, vision_encoder=None, progress: bool = False) -> list[Scored]:
+    """Ask every item in every form (see the module docstring); one `Scored` per (item, form)."""
+    for form in forms:
+        _check_form(form)
+    letter_ids = _letter_ids(processor) if "mc" in forms else {}
+    work = [(i, item, form) for i, item in enumerate(items) for form in forms]
+    if progress:
+        from tqdm.auto import tqdm
+
+        work = tqdm(work, desc="evaluate", unit="prompt")
+    out = []
+    for i, item, form in work:
+        batch = item_inputs(processor, item, form)
+        inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+        _, truth = item_prompt(item, form)
+        if form == "mc":
+            logits = next_token_logits(model, **inputs, vision_encoder=vision_encoder)[0]
+            prediction = max(letter_ids, key=lambda x: logits[letter_ids[x]])
+            out.append(Scored(i, item.family, form, truth, prediction, prediction == truth))
+        else:
+            length = inputs["input_ids"].shape[1]
+            ids = np.asarray(model.generate(**inputs, max_new_tokens=max_new_tokens,
+                                            vision_encoder=vision_encoder))[0, length:]
+            text = processor.decode(ids, skip_special_tokens=True).strip()
+            out.append(Scored(i, item.family, form, truth, text, text == truth, tuple(int(t) for t in ids)))
+    return out
+
+
+def accuracy(scored: Sequence[Scored]) -> dict[str, dict[str, float]]:
+    """`{family: {form: fraction right}}`, families in order of first appearance."""
+    table: dict[str, dict[str, list[bool]]] = {}
+    for s in scored:
+        table.setdefault(s.family, {}).setdefault(s.form, []).append(s.correct)
+    return {family: {form: float(np.mean(v)) for form, v in forms.items()} for family, forms in table.items()}
