@@ -103,7 +103,7 @@ def test_grouped_matmul_equals_per_token_reference(tokens, implementation):
     halves = [expert_ffn(x, routing, gate_up[a:b], down[a:b], implementation=implementation, local=(a, b - a))
               for a, b in ((0, 2), (2, 5))]
     np.testing.assert_allclose(np.asarray(halves[0] + halves[1]), ref, rtol=1e-5, atol=1e-5)
-    assert tile_rows(tokens * k, e) == (1 if tokens * k < 4 * e else 32)
+    assert tile_rows(tokens * k, e) == (1 if tokens * k < 4 * e else 64)
 
 
 @pytest.mark.needs_torch
