@@ -329,6 +329,20 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _left_padded_prompt(input_ids, attention_mask) -> tuple[np.ndarray, np.ndarray]:
+    """`(ids, mask)` as numpy for a non-empty, left-padded `[B, L]` prompt batch, or a ValueError."""
+    ids = np.asarray(input_ids)
+    mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
+    if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a non-empty [batch, length] array, got shape {ids.shape}")
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
+    if not mask[:, -1].all():
+        raise ValueError("batches must be left-padded: the last prompt column has padding "
+                         "(use the processor's padding_side='left')")
+    return ids, mask
+
+
 def _check_arguments(max_new_tokens, do_sample, temperature, top_k, top_p, rng, decode_chunk) -> None:
     """Refuse bad generation arguments before any work is done (each error names the argument)."""
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
@@ -410,15 +424,7 @@ def generate(
     """
     _check_arguments(max_new_tokens, do_sample, temperature, top_k, top_p, rng, decode_chunk)
     in_llm = pruning_lib.validate_llm_pruning(llm_pruning)
-    ids = np.asarray(input_ids)
-    mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
-    if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be a non-empty [batch, length] array, got shape {ids.shape}")
-    if mask.shape != ids.shape:
-        raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
-    if not mask[:, -1].all():
-        raise ValueError("batches must be left-padded: the last prompt column has padding "
-                         "(use the processor's padding_side='left')")
+    ids, mask = _left_padded_prompt(input_ids, attention_mask)
     context = model.config.text.max_position_embeddings
     if ids.shape[1] + max_new_tokens > context:
         raise ValueError(f"a prompt of {ids.shape[1]} tokens plus max_new_tokens={max_new_tokens} exceeds the "
@@ -494,15 +500,7 @@ def next_token_logits(
     prefill greedy `generate` runs (its prompt bucket, its positions), so scoring many prompts of
     different lengths compiles once per length bucket and shares the compile with `generate`; greedy
     `generate`'s first token is their argmax. Arguments as `generate`."""
-    ids = np.asarray(input_ids)
-    mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
-    if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be a non-empty [batch, length] array, got shape {ids.shape}")
-    if mask.shape != ids.shape:
-        raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
-    if not mask[:, -1].all():
-        raise ValueError("batches must be left-padded: the last prompt column has padding "
-                         "(use the processor's padding_side='left')")
+    ids, mask = _left_padded_prompt(input_ids, attention_mask)
     _, pad_id = _resolve_ids(model, None, None)
     inputs = model.prepare_inputs(ids, mask, mm_token_type_ids, pixel_values, image_grid_thw,
                                   pixel_values_videos, video_grid_thw, video_pruning=video_pruning,

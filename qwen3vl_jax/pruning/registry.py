@@ -145,6 +145,10 @@ def method_kind(method: str) -> str:
     return "llm" if getattr(get_method(method), "kind", None) == "llm" else "encoder"
 
 
+def _llm_methods() -> list[str]:
+    return [m for m in registered_methods() if method_kind(m) == "llm"]
+
+
 def validate_llm_pruning(spec):
     """`(method, stages)` for an in-LLM pruning option `(name, options)` (e.g. `("fastv", {"layer": 2,
     "rate": 0.5})`), None for None. Every stage is kept, rate 0 included (it runs the machinery and
@@ -157,12 +161,11 @@ def validate_llm_pruning(spec):
                          f"'rate': 0.5}}), got {spec!r}")
     name, options = spec
     if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"unknown in-LLM pruning method {name!r}; in-LLM methods: "
-                         f"{[m for m in registered_methods() if method_kind(m) == 'llm']}")
+        raise ValueError(f"unknown in-LLM pruning method {name!r}; in-LLM methods: {_llm_methods()}")
     if method_kind(name) != "llm":
         raise ValueError(f"pruning method {name!r} selects tokens from the encoder output, not inside the language "
                          f"model: pass it as video_pruning / image_pruning=({name!r}, rate); in-LLM methods: "
-                         f"{[m for m in registered_methods() if method_kind(m) == 'llm']}")
+                         f"{_llm_methods()}")
     stages = tuple(get_method(name).stages(options))
     if not stages or any(b.layer <= a.layer for a, b in zip(stages, stages[1:])):
         raise ValueError(f"in-LLM pruning method {name!r} returned stages {stages}; they must be non-empty with "
