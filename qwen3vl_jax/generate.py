@@ -492,6 +492,7 @@ def next_token_logits(
     *,
     min_bucket: int = MIN_BUCKET,
     video_pruning: tuple[str, float] | None = None,
+    image_pruning: tuple[str, float] | None = None,
     vision_encoder=None,
     video_timestamps=None,
     video_metadata=None,
@@ -504,7 +505,7 @@ def next_token_logits(
     _, pad_id = _resolve_ids(model, None, None)
     inputs = model.prepare_inputs(ids, mask, mm_token_type_ids, pixel_values, image_grid_thw,
                                   pixel_values_videos, video_grid_thw, video_pruning=video_pruning,
-                                  vision_encoder=vision_encoder)
+                                  vision_encoder=vision_encoder, image_pruning=image_pruning)
     inputs = _generation_positions(inputs)
     bucket = bucket_length(ids.shape[1], model.config.text, min_bucket)
     inputs = _pad_left(inputs, bucket, pad_id)

@@ -265,14 +265,14 @@ def run_ablation(
     def run(item: TaskItem, pruning: dict):
         batch, rate_fps, cap = inputs_for(item, pruning)
         kw = {**pruning, "vision_encoder": vision_encoder}
-        visual_kinds = "llm_pruning" in pruning or "image_pruning" in pruning
-        # Without in-LLM or image pruning: the prefill generation runs (prompt buckets), so one compile
-        # per bucket, not one per prompt length; with them, the forward (it returns the stages' rows).
-        out = model(**batch, **kw) if visual_kinds else None
+        # The prefill generation runs (prompt buckets: one compile per bucket, not one per prompt
+        # length); in-LLM pruning through the forward, which also returns the stages' kept rows.
+        in_llm = "llm_pruning" in pruning
+        out = model(**batch, **kw) if in_llm else None
         visual = (batch["input_ids"] == model.config.video_token_id) | (batch["input_ids"] == model.config.image_token_id)
         tokens_per_layer = [batch["input_ids"].shape[1]] * layers
         kept = int(visual.sum())
-        if "llm_pruning" in pruning:  # the stages' rows: input positions, -1 padding
+        if in_llm:  # the stages' rows: input positions, -1 padding
             out, stages = out
             starts = [s.layer for s in validate_llm_pruning(pruning["llm_pruning"])[1]]
             for start, rows in zip(starts, stages):
@@ -280,7 +280,7 @@ def run_ablation(
                 tokens_per_layer[start:] = [int((rows >= 0).sum())] * (layers - start)
             rows = np.asarray(stages[-1])[0]
             kept = int(visual[0][rows[rows >= 0]].sum())
-        if visual_kinds:
+        if in_llm:
             logits = np.asarray(out[0, -1], np.float64)
         else:
             logits = next_token_logits(model, **batch, **kw)[0].astype(np.float64)
