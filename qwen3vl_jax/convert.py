@@ -252,9 +252,10 @@ def plan_hf_params(
         claimed[path] = name
         shape, want_dtype = expected[path]
         # A tensor stored in one of several layouts (the experts) is read through the first one
-        # that gives the model's shape.
-        transform = next((t for t in rule.readers
-                          if _fits(t, stored_shape) == tuple(shape)), rule.transform)
+        # that gives the model's shape; every other tensor has one transform.
+        transform = rule.transform
+        if rule.layouts:
+            transform = next((t for t in rule.readers if _fits(t, stored_shape) == tuple(shape)), transform)
         try:
             ours_shape = _transformed_shape(transform.to_ours, stored_shape)
         except (TypeError, ValueError) as e:

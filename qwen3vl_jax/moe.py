@@ -93,15 +93,23 @@ def tile_rows(rows: int, experts: int) -> int:
     return min(128, 1 << round(math.log2(rows / experts)))
 
 
-def _ragged_ffn(x, experts, gate_up, down, local):
-    """Rows `x [M, H]` routed to `experts [M]` through a sorted `lax.ragged_dot`; rows whose expert
-    is not in `local` (a [first, count) range of the experts) give zeros."""
+def _group_keys(experts, local):
+    """`(key [M], outside [M], sizes [count])`: each row's local expert index (`count` for a row
+    whose expert is not in `local = (first, count)`, so that it sorts past every group) and the
+    rows per local expert."""
     first, count = local
     local_id = experts - first
     outside = (local_id < 0) | (local_id >= count)
-    key = jnp.where(outside, count, local_id)  # outsiders sort last, past every group
+    key = jnp.where(outside, count, local_id)
+    return key, outside, jnp.bincount(key, length=count + 1)[:count]
+
+
+def _ragged_ffn(x, experts, gate_up, down, local):
+    """Rows `x [M, H]` routed to `experts [M]` through a sorted `lax.ragged_dot`; rows whose expert
+    is not in `local` (a [first, count) range of the experts) give zeros."""
+    key, _, sizes = _group_keys(experts, local)
     order = jnp.argsort(key, stable=True)
-    sizes = jnp.bincount(key, length=count + 1)[:count].astype(jnp.int32)
+    sizes = sizes.astype(jnp.int32)
     h = lax.ragged_dot(x[order], gate_up.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
     gate, up = jnp.split(h.astype(x.dtype), 2, axis=-1)
     y = lax.ragged_dot(jax.nn.silu(gate) * up, down.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
@@ -110,13 +118,10 @@ def _ragged_ffn(x, experts, gate_up, down, local):
 
 def _tiled_ffn(x, experts, gate_up, down, local):
     """The same rows through a loop over expert tiles (see the module docstring)."""
-    first, count = local
+    count = local[1]
     rows = x.shape[0]
     tile = tile_rows(rows, count)
-    local_id = experts - first
-    outside = (local_id < 0) | (local_id >= count)
-    key = jnp.where(outside, count, local_id)
-    sizes = jnp.bincount(key, length=count + 1)[:count]
+    key, outside, sizes = _group_keys(experts, local)
     tiles_per_expert = (sizes + tile - 1) // tile
     tile_end = jnp.cumsum(tiles_per_expert)  # [count]
     tile_start = tile_end - tiles_per_expert
