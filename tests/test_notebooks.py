@@ -32,6 +32,8 @@ def test_notebook_runs_and_plots(path, tmp_path, monkeypatch):
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend emits the PNGs
     NotebookClient(book, timeout=900, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()  # raises on any cell error
+    streams = "".join(o.get("text", "") for c in book.cells if c.cell_type == "code" for o in c.outputs)
+    assert "IProgress not found" not in streams, "progress bars must render as widgets (the notebook extra)"
     plots = [c for c in book.cells if "plot" in c.metadata.get("tags", [])]
     assert plots
     for cell in plots:
