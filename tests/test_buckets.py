@@ -33,14 +33,14 @@ def test_warmup_compiles_each_budget_once(runner):
 def test_random_mixes_cause_no_compilation_and_match_unbucketed(runner, jax_model):
     rng = np.random.default_rng(0)
     compiles = runner.num_compiles
-    for i in range(30):
+    for i in range(12):  # each mix compiles the unbucketed reference once: 12 keep the suite's budget
         pixels, grid = _random_mix(rng, jax_model.config.vision.patch_dim)
         merged, deepstack = runner.encode(pixels, grid)
         ref_merged, ref_deepstack = jax_model.encode_vision(pixels, grid)
         assert_close(merged, ref_merged, "f32_tower", f"mix {i} {grid.tolist()}: merged")
         assert_close(deepstack, ref_deepstack, "f32_tower", f"mix {i}: deepstack")
     assert runner.num_compiles == compiles
-    assert sum(s.calls for s in runner.stats.values()) >= 30
+    assert sum(s.calls for s in runner.stats.values()) >= 12
     assert "waste" in runner.report()
 
 
