@@ -24,8 +24,9 @@ import numpy as np
 
 from .config import Qwen3VLConfig
 from .params import (EXPERT_LAYOUTS, CheckpointError, LazyTensor, Transform, as_lazy, expert_layout_of, flatten_paths,
-                     hf_rule, hf_to_ours_name, nest_paths,
+                     hf_rule, hf_to_ours_name, keeps_dtype, nest_paths,
                      ours_to_hf_name)
+from .quant import QuantSpec, module_kind
 
 __all__ = [
     "safetensors_files",
@@ -33,6 +34,7 @@ __all__ = [
     "iter_hf_headers",
     "load_hf_params",
     "plan_hf_params",
+    "checkpoint_quantization",
     "export_hf_tensors",
     "export_hf_lazy",
     "open_orbax_params",
@@ -114,7 +116,7 @@ def _numpy_dtype(name: str) -> np.dtype:
 
     names = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-             "BOOL": np.bool_}
+             "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn}
     if name not in names:
         raise CheckpointError(f"unsupported safetensors dtype {name}")
     return np.dtype(names[name])
@@ -122,7 +124,7 @@ def _numpy_dtype(name: str) -> np.dtype:
 
 def _safetensors_dtype(dtype: np.dtype) -> str:
     """The safetensors dtype name of a numpy dtype (the inverse of `_numpy_dtype`)."""
-    for name in ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL"):
+    for name in ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3"):
         if np.dtype(dtype) == _numpy_dtype(name):
             return name
     raise ValueError(f"no safetensors dtype for {np.dtype(dtype)}")
@@ -268,7 +270,7 @@ def plan_hf_params(
                 f"after {transform.name}, model expects {list(shape)}"
             )
             continue
-        want = np.dtype(dtype or want_dtype)
+        want = np.dtype(want_dtype if keeps_dtype(path, want_dtype) else dtype or want_dtype)
         load = functools.partial(_load_to_ours, file, name, transform, want)
         out[path] = LazyTensor(ours_shape, want, load, name, functools.partial(_read_hf_block, file, name, transform),
                                transform.name)
@@ -285,6 +287,66 @@ def plan_hf_params(
             + "\n  - ".join(problems)
         )
     return out
+
+
+def checkpoint_quantization(directory: str | os.PathLike, config: Qwen3VLConfig) -> QuantSpec | None:
+    """The FP8 layout of an HF checkpoint, from its headers: which modules hold FP8 weights (a weight
+    with a sibling `weight_scale_inv`; every other tensor is not FP8, whatever
+    `modules_to_not_convert` says) as a `quant.QuantSpec`, or None for a full-precision checkpoint.
+
+    Every problem is reported in one `CheckpointError` naming the tensor: a scale without its
+    weight, a scale grid that is not `[ceil(out/B), ceil(in/B)]` of its weight, an FP8 weight without
+    scales, scales of another dtype than float32 / bfloat16, FP8 weights outside the language model
+    (the vision tower, the experts: not supported), or scales without a `quantization_config`.
+    """
+    headers = {name: (shape, dtype) for _, name, shape, dtype in iter_hf_headers(directory)}
+    scales = sorted(n for n in headers if n.endswith("_scale_inv"))
+    problems: list[str] = []
+    if config.quantization is None:
+        fp8 = sorted(n for n, (_, d) in headers.items() if d == "F8_E4M3")
+        if scales or fp8:
+            raise CheckpointError(f"{os.fspath(directory)}: {(scales + fp8)[0]} is a quantized tensor, but "
+                                  "config.json has no quantization_config")
+        return None
+    block_out, block_in = config.quantization.weight_block_size
+    modules, scale_dtypes = set(), set()
+    for name in scales:
+        weight = name[: -len("_scale_inv")]
+        shape, dtype = headers[name]
+        if weight not in headers:
+            problems.append(f"{name}: a scale without its weight ({weight} is not in the checkpoint)")
+            continue
+        wshape, wdtype = headers[weight]
+        if ".mlp.experts." in name or not name.endswith(".weight_scale_inv"):
+            problems.append(f"{name}: FP8 experts in a checkpoint are not supported (load the full-precision "
+                            "checkpoint with quantize='fp8')")
+            continue
+        target = hf_rule(weight)
+        if target is None or not target[0].startswith(("language_model.layers.", "lm_head")):
+            problems.append(f"{name}: FP8 weights outside the language model (here {weight}) are not supported")
+            continue
+        if wdtype != "F8_E4M3":
+            problems.append(f"{name}: its weight {weight} is {wdtype}, not F8_E4M3")
+        if dtype not in ("F32", "BF16"):
+            problems.append(f"{name}: scales must be F32 or BF16, got {dtype}")
+        grid = [-(-wshape[0] // block_out), -(-wshape[1] // block_in)] if len(wshape) == 2 else None
+        if list(shape) != grid:
+            problems.append(f"{name}: scale grid {list(shape)} does not match its weight {weight} {list(wshape)} in "
+                            f"blocks of {[block_out, block_in]} (weight_block_size): expected {grid}")
+        scale_dtypes.add(dtype)
+        modules.add(module_kind(target[0].rsplit(".", 1)[0]))
+    for name, (_, dtype) in sorted(headers.items()):
+        if dtype == "F8_E4M3" and f"{name}_scale_inv" not in headers:
+            problems.append(f"{name} is F8_E4M3 but has no {name}_scale_inv")
+    if len(scale_dtypes) > 1:
+        problems.append(f"the scales mix dtypes {sorted(scale_dtypes)}; one dtype for all is supported")
+    if problems:
+        raise CheckpointError(f"{os.fspath(directory)}: {len(problems)} problem(s) with the FP8 weights:\n  - "
+                              + "\n  - ".join(problems))
+    if not modules:
+        return None
+    return QuantSpec("fp8", (block_in, block_out), frozenset(modules),
+                     "bfloat16" if scale_dtypes == {"BF16"} else "float32")
 
 
 def load_hf_params(
@@ -326,7 +388,8 @@ def export_hf_lazy(params: Mapping[str, object], config: Qwen3VLConfig, *,
         value = as_lazy(value, path)
         name, transform = ours_to_hf_name(path, expert_layout)
         shape = _transformed_shape(lambda a, t=transform: t.to_hf(a, config), value.shape)
-        want = np.dtype(dtype) if dtype is not None else np.dtype(value.dtype)
+        keep = dtype is None or keeps_dtype(path, value.dtype)  # (a quantized weight or its scales)
+        want = np.dtype(value.dtype) if keep else np.dtype(dtype)
         load = functools.partial(_load_to_hf, value.load, transform, config, want)
         out[name] = LazyTensor(shape, want, load, name)
     return out
@@ -600,7 +663,7 @@ def open_orbax_params(directory: str | os.PathLike, expected_for, *, dtype=None
 
         tensors = {}
         for path, (shape, want_dtype) in expected.items():
-            want = np.dtype(dtype or want_dtype)
+            want = np.dtype(want_dtype if keeps_dtype(path, want_dtype) else dtype or want_dtype)
             load = functools.partial(read, path, tuple(shape), want)
             # (the experts carry the layout they were first read in, for a later export)
             tensors[path] = LazyTensor(tuple(shape), want, load, path, transform=EXPERT_LAYOUTS[layout].name
@@ -688,7 +751,8 @@ def write_hf(params: Mapping[str, object], config: Qwen3VLConfig, directory: str
     tensors = export_hf_lazy(params, config, dtype=None if dtype is None else storage_dtype(dtype),
                              expert_layout=expert_layout)
     hf_config = config.to_hf_dict()
-    hf_config["dtype"] = dtype or str(np.dtype(next(iter(tensors.values())).dtype))
+    plain = [t.dtype for t in tensors.values() if not keeps_dtype(t.source, t.dtype) and not t.source.endswith("_scale_inv")]
+    hf_config["dtype"] = dtype or str(np.dtype(plain[0] if plain else np.float32))
     write_safetensors(tensors, os.fspath(directory), max_shard_bytes)
     with open(os.path.join(os.fspath(directory), "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
