@@ -252,13 +252,16 @@ def run_convert(args) -> None:
 
     from .convert import convert_checkpoint, storage_dtype
     from .model import expected_params
+    from .quant import QuantSpec
 
+    spec = None if args.quantize is None else QuantSpec.make(args.quantize, group=args.group_size,
+                                                             lm_head=args.quantize_lm_head)
     start = time.perf_counter()
     with tqdm(desc=f"converting {os.path.basename(os.path.abspath(args.source))}", unit=" tensors") as bar:
         _, n, copied = convert_checkpoint(
             args.source, args.out, expected_params, to=args.to, dtype=args.dtype,
             max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite,
-            on_tensor=lambda name: bar.update())
+            on_tensor=lambda name: bar.update(), quantize=spec)
     peak = peak_rss_bytes() / 2**30
     print(f"wrote {args.to} checkpoint to {args.out}: {n:,} parameters in {args.dtype} "
           f"({n * storage_dtype(args.dtype).itemsize / 2**30:.2f} GiB), {len(copied)} side files, "
@@ -369,6 +372,11 @@ def main(argv=None) -> int:
     convert.add_argument("out", help="output directory")
     convert.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     convert.add_argument("--to", choices=("orbax", "hf"), default="orbax")
+    convert.add_argument("--quantize", choices=("int8", "int4", "fp8"), default=None,
+                         help="quantize the language model's linears and experts (weight-only; int8 per output "
+                              "channel, int4 in groups of --group-size input rows, fp8 in 128 x 128 blocks)")
+    convert.add_argument("--group-size", type=int, default=128, help="int4 group size (default 128)")
+    convert.add_argument("--quantize-lm-head", action="store_true", help="quantize lm_head too (default: kept)")
     convert.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES,
                          help="largest safetensors shard for --to hf (default 5e9; memory does not depend "
                               "on it: tensors are written one at a time)")

@@ -26,7 +26,7 @@ from .config import Qwen3VLConfig
 from .params import (EXPERT_LAYOUTS, CheckpointError, LazyTensor, Transform, as_lazy, expert_layout_of, flatten_paths,
                      hf_rule, hf_to_ours_name, keeps_dtype, nest_paths,
                      ours_to_hf_name)
-from .quant import QuantSpec, module_kind
+from .quant import QuantSpec, module_kind, quantize_params
 
 __all__ = [
     "safetensors_files",
@@ -35,6 +35,7 @@ __all__ = [
     "load_hf_params",
     "plan_hf_params",
     "checkpoint_quantization",
+    "fp8_config",
     "export_hf_tensors",
     "export_hf_lazy",
     "open_orbax_params",
@@ -91,7 +92,9 @@ def iter_hf_tensors(directory: str | os.PathLike) -> Iterator[tuple[str, str, np
     for file in safetensors_files(directory):
         with _open_safetensors(file) as f:
             for name in f.keys():
-                yield file, name, f.get_tensor(name)
+                # (safetensors' numpy side has no FP8 dtype: those are read by our own reader)
+                fp8 = f.get_slice(name).get_dtype() == "F8_E4M3"
+                yield file, name, _read_hf_tensor(file, name) if fp8 else f.get_tensor(name)
 
 
 def iter_hf_headers(directory: str | os.PathLike) -> Iterator[tuple[str, str, tuple[int, ...], str]]:
@@ -188,7 +191,18 @@ def _read_hf_block(file: str, name: str, transform: Transform, index: tuple) -> 
     only the pages of that block are touched (for a transposed weight, a strided slice)."""
     with _open_safetensors(file) as f:
         handle = f.get_slice(name)
+        if handle.get_dtype() == "F8_E4M3":  # (no FP8 in safetensors' numpy side: a memory map of its bytes)
+            handle = _mapped_tensor(file, name)
         return np.asarray(transform.read(lambda hf_index: handle[tuple(hf_index)], index))
+
+
+def _mapped_tensor(file: str, name: str) -> np.ndarray:
+    """Tensor `name` of a safetensors file as a read-only memory map (only the pages sliced are read)."""
+    with open(file, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        info = json.loads(f.read(size))[name]
+    begin = 8 + size + int(info["data_offsets"][0])
+    return np.memmap(file, dtype=_numpy_dtype(info["dtype"]), mode="r", offset=begin, shape=tuple(info["shape"]))
 
 
 def _load_to_hf(load: Callable[[], np.ndarray], transform: Transform, config: Qwen3VLConfig,
@@ -347,6 +361,18 @@ def checkpoint_quantization(directory: str | os.PathLike, config: Qwen3VLConfig)
         return None
     return QuantSpec("fp8", (block_in, block_out), frozenset(modules),
                      "bfloat16" if scale_dtypes == {"BF16"} else "float32")
+
+
+def fp8_config(spec: QuantSpec):
+    """The HF `quantization_config` (`config.FP8Config`) of an fp8 `QuantSpec` (what `save_hf` /
+    `convert --quantize fp8 --to hf` write): the modules it leaves unquantized as HF names."""
+    from .config import FP8Config
+
+    bi, bo = spec.block
+    keep = ["lm_head"] if "lm_head" not in spec.modules else []
+    raw = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [bo, bi],
+           "modules_to_not_convert": keep + ["model.visual"]}
+    return FP8Config(weight_block_size=(bo, bi), raw=json.dumps(raw, sort_keys=True))
 
 
 def load_hf_params(
@@ -777,8 +803,8 @@ def save_hf(params: Mapping[str, object], config: Qwen3VLConfig, directory: str 
 
 def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, expected_for, *, to: str = "orbax",
                        dtype: str = "bfloat16", max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES,
-                       overwrite: bool = False, on_tensor: Callable[[str], None] | None = None
-                       ) -> tuple[Qwen3VLConfig, int, list[str]]:
+                       overwrite: bool = False, on_tensor: Callable[[str], None] | None = None,
+                       quantize: QuantSpec | None = None) -> tuple[Qwen3VLConfig, int, list[str]]:
     """`qwen3vl-jax convert`: an HF or Orbax checkpoint directory to Orbax (`to="orbax"`) or HF
     safetensors (`to="hf"`, shards of at most `max_shard_bytes`), stored in `dtype`.
 
@@ -791,18 +817,35 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, expect
     `expected_for(config)` gives `{our path: (shape, dtype)}` (the canonical per-block layout).
     Everything is written into a temporary directory renamed to `out` at the end
     (`atomic_directory`), side files (tokenizer, processor, generation config) included.
+    Quantized weights: an FP8 checkpoint's weights and scales are written as they are (not cast to
+    `dtype`), so HF FP8 -> HF gives back the same tensors; `quantize` (a `quant.QuantSpec`)
+    quantizes a full-precision checkpoint as it is streamed (to HF only as "fp8": HF's fine-grained
+    format; int8 / int4 to Orbax).
     Returns (config, number of parameters, side files copied).
     """
     if to not in ("orbax", "hf"):
         raise ValueError(f"to must be 'orbax' or 'hf', got {to!r}")
+    if quantize is not None and to == "hf" and quantize.method != "fp8":
+        raise ValueError(f"--quantize {quantize.method} has no HF checkpoint format here: write it --to orbax, "
+                         "or quantize to fp8 (HF's fine-grained FP8)")
     np_dtype = storage_dtype(dtype)
     # Refuse a non-empty target before the (long) conversion, and again when renaming into place.
     with atomic_directory(out, overwrite=overwrite) as tmp, contextlib.ExitStack() as stack:
         if is_orbax_dir(source):
+            if quantize is not None:
+                raise ValueError("--quantize reads an HF checkpoint; convert the Orbax one to HF first")
             config, params = stack.enter_context(open_orbax_params(source, expected_for, dtype=np_dtype))
         else:
             config = Qwen3VLConfig.from_hf_config(source)
-            params = plan_hf_params(source, expected_for(config), config, dtype=np_dtype)
+            spec = checkpoint_quantization(source, config)
+            if spec is not None and quantize is not None:
+                raise ValueError(f"{source} is already an FP8 checkpoint; convert it without --quantize")
+            expected = expected_for(config) if spec is None else expected_for(config, quantization=spec)
+            params = plan_hf_params(source, expected, config, dtype=np_dtype)
+            if quantize is not None:
+                params = quantize_params(params, quantize)
+                if quantize.method == "fp8":
+                    config = config.replace(quantization=fp8_config(quantize))
         layout = expert_layout_of(params) or "released"
         params = _with_callback(params, on_tensor)
         if to == "orbax":

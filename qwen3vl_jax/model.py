@@ -38,7 +38,7 @@ from pallas_kernels.attention.mask import AttentionMask
 
 from . import pruning as pruning_lib
 from .config import Qwen3VLConfig
-from .convert import (checkpoint_quantization, is_orbax_dir, orbax_expert_layout, plan_hf_params, restore_orbax, save_hf,
+from .convert import (checkpoint_quantization, fp8_config, is_orbax_dir, orbax_expert_layout, plan_hf_params, restore_orbax, save_hf,
                       save_orbax)
 from .generate import GenerationConfig
 from .generate import generate as generate_tokens
@@ -271,8 +271,15 @@ class Qwen3VL(nnx.Module):
     def save_hf(self, directory: str | os.PathLike, *, dtype: str | None = None,
                 max_shard_bytes: int | None = None) -> str:
         """Export HF safetensors + config.json that `Qwen3VLForConditionalGeneration` loads (each
-        parameter is copied to the host as it is written, one at a time)."""
-        return save_hf(canonical_params(self), self.config, directory, dtype=dtype,
+        parameter is copied to the host as it is written, one at a time). Quantized weights: FP8 in
+        HF's fine-grained format (with its `quantization_config`); int8 / int4 have no HF format here."""
+        config = self.config
+        if self.quantization is not None and self.quantization.method != "fp8":
+            raise ValueError(f"{self.quantization.method} weights have no HF checkpoint format here (save_orbax "
+                             "keeps them; FP8 is written in HF's fine-grained format)")
+        if self.quantization is not None and config.quantization is None:
+            config = config.replace(quantization=fp8_config(self.quantization))
+        return save_hf(canonical_params(self), config, directory, dtype=dtype,
                        max_shard_bytes=max_shard_bytes, expert_layout=self.expert_layout)
 
     # ------------------------------------------------------------------ vision
