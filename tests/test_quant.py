@@ -182,3 +182,42 @@ def test_weight_only_quantization_error(tiny_dir, jax_model, method):
     bound, share = INT_BOUNDS[method]
     print(f"{method}: max |logit error| / max |logit| = {error:.4f}, greedy next token equal on {same:.0%}")
     assert 0 < error <= bound and same >= share
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+def test_quantized_experts_equal_the_model_on_dequantized_weights(tmp_path_factory, method):
+    """MoE experts have their own quantized path (`moe.QuantExperts`, multiplied tile by tile inside
+    each expert tile; `lax.ragged_dot` dequantizes whole). Both equal the full-precision model whose
+    experts and linears hold the dequantized weights."""
+    from flax import nnx
+
+    from qwen3vl_jax.params import canonical_params
+    from qwen3vl_jax.quant import quantized_path
+
+    root = tmp_path_factory.mktemp("moe_quant")
+    d = make_tiny_checkpoint(root / "moe", seed=7, text=dict(num_experts=6, num_experts_per_tok=2,
+                                                             moe_intermediate_size=48))
+    spec = QuantSpec.make(method, group=16, block=(16, 16))
+    ids = np.random.default_rng(2).integers(0, 400, size=(2, 9))
+    outs = {impl: np.asarray(Qwen3VL.from_pretrained(d, quantize=spec, moe_implementation=impl)(ids))
+            for impl in ("tiled", "ragged")}
+    quantized = Qwen3VL.from_pretrained(d, quantize=spec)
+    reference = Qwen3VL.from_pretrained(d)
+    q = canonical_params(quantized)
+    values = {}
+    for path, value in canonical_params(reference).items():
+        module = quantized_path(path, spec)
+        if module is None:
+            values[path] = np.asarray(value)
+            continue
+        rows = value.shape[-2]
+        values[path] = dequantize(q[path], q[path + "_scale"], method, spec.block_for(rows), rows)
+    assert any(".experts." in p for p in values if quantized_path(p, spec))
+    from qwen3vl_jax.params import fill_state
+
+    graphdef, state = nnx.split(reference)
+    reference = nnx.merge(graphdef, fill_state(nnx.state(reference, nnx.Param), values))
+    ref = np.asarray(reference(ids))
+    for impl, out in outs.items():
+        assert_close(out, ref, "f32_logits", f"{method} experts, {impl}")
+    assert np.abs(ref - np.asarray(Qwen3VL.from_pretrained(d)(ids))).max() > 1e-3  # the weights did change
