@@ -50,9 +50,8 @@ __all__ = ["METHODS", "FP8_MAX", "INT4_GROUP", "TILE", "QuantSpec", "QTensor", "
 METHODS = ("fp8", "int8", "int4")
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 INT4_GROUP = 128
-TILE = 512
-"""Input rows per step of the tiled product (measured on this CPU: 512-row tiles run a 2048 x 6144
-int8 matrix-vector product within ~1.5x of f32, the whole-weight upcast ~10x slower)."""
+TILE = 128
+"""Input rows per tile of the tiled product (`qdot`; with `TILE_COLS` columns: 1 MiB of float32)."""
 
 # The language model's linears (the kinds `default_modules` quantizes), and the others a spec may name.
 TEXT_KINDS = tuple(f"language_model.layers.*.{m}" for m in (
@@ -196,27 +195,43 @@ def dequantize(kernel, scale, method: str, block: tuple[int, int], rows: int | N
 def decode_fp8(bits) -> jax.Array:
     """`float8_e4m3fn` bytes (as int8) -> float32 by integer arithmetic, bit-exact with `astype`
     (NaN aside: weights have none). Vectorizes on a CPU, where XLA's own conversion does not."""
-    b = bits.astype(jnp.int32)
-    magnitude = b & 0x7F
-    normal = lax.bitcast_convert_type((magnitude << 20) + (120 << 23), jnp.float32)  # exponent bias 7 -> 127
-    value = jnp.where(magnitude < 8, magnitude.astype(jnp.float32) * (2.0 ** -9), normal)  # subnormals
-    return jnp.where(b < 0, -value, value)
+    return _decode_fp8_scaled(bits) * 256.0
+
+
+def _decode_fp8_scaled(bits) -> jax.Array:
+    """FP8 e4m3 bytes (int8) -> their values / 2^8, exactly: the sign and the 7 exponent-mantissa
+    bits shifted into a float16 (e4m3's exponent bias 7, float16's 15; its subnormals land on
+    float16 numbers too), then widened to float32. Four vector operations per weight."""
+    h = (bits.astype(jnp.int16) << 7) & jnp.int16(-16512)  # 0xBF80: the sign bit and bits 7..13
+    return lax.bitcast_convert_type(h, jnp.float16).astype(jnp.float32)
 
 
 def _decode(tile, method: str):
-    """A tile of stored rows (fp8 as int8 bits, or int8) -> float32."""
-    return decode_fp8(tile) if method == "fp8" else tile.astype(jnp.float32)
+    """A tile of stored rows (fp8 as int8 bits: its values / 2^8; or int8) -> float32."""
+    return _decode_fp8_scaled(tile) if method == "fp8" else tile.astype(jnp.float32)
 
 
-def _tile_rows(block_rows: int, rows: int, method: str) -> int:
-    """Input rows per tile: `TILE`, or a size aligned with the scale blocks (each tile covers whole
-    blocks, or lies inside one)."""
+TILE_COLS = 2048
+"""Output columns per tile (a chunk of the scale blocks' columns where they are narrower)."""
+
+
+def _chunk_cols(cols: int, block_cols: int) -> int:
+    """Output columns per chunk: `TILE_COLS` rounded down to whole scale blocks (all when fewer)."""
+    if cols <= TILE_COLS:
+        return cols
+    return max(block_cols, TILE_COLS // block_cols * block_cols) if block_cols < TILE_COLS else block_cols
+
+
+def _tile_rows(block_rows: int, rows: int) -> int:
+    """Input rows per tile: `TILE`, or the largest power of two that divides the scale blocks' rows
+    (each tile then lies inside one block row, so its scales multiply the tile's partial product
+    `[R, out]` rather than every weight)."""
     if block_rows >= rows:
         return TILE
-    for t in (TILE, 256, 128, 64, 32, 16, 8, 4, 2):
-        if t % block_rows == 0 or block_rows % t == 0:
+    for t in (TILE, 64, 32, 16, 8, 4, 2):
+        if block_rows % t == 0:
             return t
-    return 2 if method == "int4" else 1
+    return 1
 
 
 @jax.tree_util.register_dataclass
@@ -261,7 +276,12 @@ def _bits(q: QTensor):
 
 def qdot(x, weight, *, dtype=None) -> jax.Array:
     """`x [..., in] @ weight [in, out]` -> `[..., out]` in `dtype` (default `x`'s): a plain array, or
-    a `QTensor` dequantized tile by tile (float32 accumulation; see the module docstring)."""
+    a `QTensor` dequantized tile by tile (float32 accumulation; see the module docstring).
+
+    Tiles of `TILE_ROWS x TILE_COLS` stored weights: a loop over column chunks (`lax.map`), in each
+    a loop over row tiles (`fori_loop`) accumulating the chunk's `[R, C]` partial products; each
+    tile lies inside one block row, so its scales multiply the partial product, not every weight;
+    the decoded tile (at most 1 MiB of float32) stays in the cache for its product."""
     dtype = dtype or x.dtype
     if not isinstance(weight, QTensor):
         return jnp.dot(x.astype(dtype), weight.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
@@ -271,36 +291,52 @@ def qdot(x, weight, *, dtype=None) -> jax.Array:
     lead = x.shape[:-1]
     x2 = x.reshape(-1, rows).astype(dtype)
     bits, scale = _bits(weight), weight.scale.astype(jnp.float32)
+    if weight.method == "fp8":
+        scale = scale * 256.0  # `_decode` gives FP8 values / 2^8 (exact: a power of two)
     packed = 2 if weight.method == "int4" else 1
-    tile = _tile_rows(bi, rows, weight.method)
+    tile = _tile_rows(bi, rows)
     if packed == 2 and rows % 2:
         x2 = jnp.pad(x2, ((0, 0), (0, 1)))  # the odd last row pairs with a zero nibble
-
-    def part(start, size):
-        """Rows `[start, start + size)` of the product (`size` static and even for int4)."""
-        q = lax.dynamic_slice_in_dim(bits, start // packed, size // packed, axis=0)
-        first = start // bi
-        count = 1 if bi >= size else -(-size // bi)
-        s = lax.dynamic_slice_in_dim(scale, first, count, axis=0)
-        s = jnp.repeat(jnp.repeat(s, min(bi, size), axis=0)[:size], bo, axis=1)[:, :out]
-        xs = lax.dynamic_slice_in_dim(x2, start, size, axis=1)
-        if packed == 2:  # two products: the even input rows (low nibbles), the odd ones (high nibbles)
-            low = ((jnp.left_shift(q, 4) >> 4).astype(jnp.float32) * s[0::2]).astype(dtype)
-            high = ((q >> 4).astype(jnp.float32) * s[1::2]).astype(dtype)
-            return (jnp.dot(xs[:, 0::2], low, preferred_element_type=jnp.float32)
-                    + jnp.dot(xs[:, 1::2], high, preferred_element_type=jnp.float32))
-        w = (_decode(q, weight.method) * s).astype(dtype)
-        return jnp.dot(xs, w, preferred_element_type=jnp.float32)
-
     padded_rows = rows + (rows % 2 if packed == 2 else 0)
     tiles, rest = divmod(padded_rows, tile)
-    y = jnp.zeros((x2.shape[0], out), jnp.float32)
-    if tiles == 1:
-        y = part(0, tile)
-    elif tiles > 1:
-        y = lax.fori_loop(0, tiles, lambda t, acc: acc + part(t * tile, tile), y)
-    if rest:
-        y = y + part(tiles * tile, rest)
+    chunk = _chunk_cols(out, bo)
+
+    def part(start, size, first, width):
+        """The partial product of input rows `[start, start + size)` (inside one block row; `size`
+        static, even for int4) and output columns `[first, first + width)` (`width` static)."""
+        q = lax.dynamic_slice(bits, (start // packed, first), (size // packed, width))
+        s = lax.dynamic_slice(scale, (start // bi, first // bo), (1, -(-width // bo)))
+        s = jnp.repeat(s, bo, axis=1)[:, :width]  # [1, width]
+        xs = lax.dynamic_slice_in_dim(x2, start, size, axis=1)
+        if packed == 2:  # two products: the even input rows (low nibbles), the odd ones (high nibbles)
+            low = (jnp.left_shift(q, 4) >> 4).astype(dtype)
+            high = (q >> 4).astype(dtype)
+            y = (jnp.dot(xs[:, 0::2], low, preferred_element_type=jnp.float32)
+                 + jnp.dot(xs[:, 1::2], high, preferred_element_type=jnp.float32))
+        else:
+            y = jnp.dot(xs, _decode(q, weight.method).astype(dtype), preferred_element_type=jnp.float32)
+        return y * s
+
+    def columns(first, width):
+        y = jnp.zeros((x2.shape[0], width), jnp.float32)
+        if tiles == 1:
+            y = part(0, tile, first, width)
+        elif tiles > 1:
+            y = lax.fori_loop(0, tiles, lambda t, acc: acc + part(t * tile, tile, first, width), y)
+        if rest:
+            y = y + part(tiles * tile, rest, first, width)
+        return y
+
+    chunks, tail = divmod(out, chunk)
+    pieces = []
+    if chunks == 1:
+        pieces.append(columns(0, chunk))
+    elif chunks > 1:
+        y = lax.map(lambda c: columns(c * chunk, chunk), jnp.arange(chunks))  # [chunks, R, C]
+        pieces.append(jnp.moveaxis(y, 0, 1).reshape(x2.shape[0], chunks * chunk))
+    if tail:
+        pieces.append(columns(chunks * chunk, tail))
+    y = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
     return y.astype(dtype).reshape(lead + (out,))
 
 
