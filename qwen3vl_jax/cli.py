@@ -286,7 +286,7 @@ def run_plan(args) -> int:
     from .plan import check, check_table, plan, smallest_mesh
 
     options = dict(dtype=args.dtype, param_dtype=args.param_dtype, remat=args.remat, vision=args.vision,
-                   device_memory=args.device_memory)
+                   device_memory=args.device_memory, quantize=args.quantize)
     source = args.config or args.preset
     try:
         if args.mesh == "auto":
@@ -332,6 +332,9 @@ def check_arguments(args) -> None:
             raise ArgumentError(f"--model: no such checkpoint directory: {args.model}")
     elif args.command == "convert":  # (its paths are checked by `convert.convert_checkpoint`, before reading)
         positive_int("--max-shard-bytes", args.max_shard_bytes)
+        positive_int("--group-size", args.group_size)
+        if args.group_size % 2:
+            raise ArgumentError(f"--group-size must be even (int4 packs two rows a byte), got {args.group_size}")
     elif args.command == "plan":
         positive_int("--batch", args.batch)
         positive_int("--context", args.context)
@@ -426,6 +429,8 @@ def main(argv=None) -> int:
     memo.add_argument("--vision", choices=("data", "tensor"), default="data",
                       help="the vision tower replicated (default) or tensor-parallel")
     memo.add_argument("--device-memory", default=None, help="e.g. 80GB (10^9 bytes), 141GB, 96GiB")
+    memo.add_argument("--quantize", choices=("int8", "int4", "fp8"), default=None,
+                      help="the language model's linears and experts stored quantized (inference)")
     memo.add_argument("--devices", type=int, default=None, help="the device count the mesh must use")
     memo.add_argument("--max-devices", type=int, default=512, help="the largest mesh --mesh auto tries")
     memo.add_argument("--json", action="store_true", help="print the plan as JSON")

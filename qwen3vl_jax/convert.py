@@ -35,6 +35,7 @@ __all__ = [
     "load_hf_params",
     "plan_hf_params",
     "checkpoint_quantization",
+    "orbax_quantization",
     "fp8_config",
     "export_hf_tensors",
     "export_hf_lazy",
@@ -427,6 +428,24 @@ ORBAX_SUBDIR = "orbax"
 # Beside the config in an Orbax checkpoint: the HF layout its experts were read in, written back by
 # a later export (`params.EXPERT_LAYOUTS`).
 _EXPERT_LAYOUT_KEY = "qwen3vl_jax.expert_layout"
+# An Orbax checkpoint of a quantized model records its `quant.QuantSpec` (method, block, modules,
+# scale dtype) beside the config, so it is restored into the same quantized layout.
+_QUANTIZATION_KEY = "qwen3vl_jax.quantization"
+
+
+def _spec_to_json(spec: QuantSpec) -> dict:
+    return {"method": spec.method, "block": list(spec.block), "modules": sorted(spec.modules),
+            "scale_dtype": spec.scale_dtype}
+
+
+def _spec_from_json(raw, root: str) -> QuantSpec | None:
+    if raw is None:
+        return None
+    try:
+        return QuantSpec(raw["method"], tuple(int(b) for b in raw["block"]), frozenset(raw["modules"]),
+                         raw.get("scale_dtype", "float32"))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{root}: {_QUANTIZATION_KEY} = {raw!r} is not a quantization spec: {e}") from e
 # Files of an HF checkpoint directory that are not weights: carried along so a converted directory
 # is self-contained (the processor reads them).
 _SIDE_FILES = (
@@ -541,7 +560,7 @@ def _orbax_lazy_registry():
 
 
 def write_orbax(params, config: Qwen3VLConfig, directory: str | os.PathLike, *,
-                expert_layout: str = "released") -> str:
+                expert_layout: str = "released", quantization: QuantSpec | None = None) -> str:
     """Write `{directory}/orbax/0/{params, config}` one tensor at a time (no atomic rename: see `save_orbax`).
 
     `params`: the nested dict of the canonical layout (`{"language_model": {"layers": {0: ...}}}`).
@@ -569,20 +588,23 @@ def write_orbax(params, config: Qwen3VLConfig, directory: str | os.PathLike, *,
         stored = config.to_hf_dict()
         if config.text.is_moe:
             stored[_EXPERT_LAYOUT_KEY] = expert_layout
+        if quantization is not None:
+            stored[_QUANTIZATION_KEY] = _spec_to_json(quantization)
         manager.save(0, args=ocp.args.Composite(params=params, config=ocp.args.JsonSave(stored)))
         manager.wait_until_finished()
     return root
 
 
 def save_orbax(params_tree, config: Qwen3VLConfig, directory: str | os.PathLike, *,
-               overwrite: bool = False, expert_layout: str = "released") -> str:
+               overwrite: bool = False, expert_layout: str = "released", quantization: QuantSpec | None = None
+               ) -> str:
     """Write `{directory}/orbax/0/{params, config}`: the parameter tree and the config as JSON.
 
     Streamed by `write_orbax` (one tensor on the host at a time), through `atomic_directory`: a
     non-empty `directory` is refused unless `overwrite`.
     """
     with atomic_directory(directory, overwrite=overwrite) as tmp:
-        write_orbax(params_tree, config, tmp, expert_layout=expert_layout)
+        write_orbax(params_tree, config, tmp, expert_layout=expert_layout, quantization=quantization)
     return os.path.join(os.path.abspath(os.fspath(directory)), ORBAX_SUBDIR)
 
 
@@ -622,10 +644,22 @@ def _open_orbax(root: str, params_handler: str):
         raise CheckpointError(f"{root}: no finished Orbax checkpoint")
     raw = dict(manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config)
     layout = raw.pop(_EXPERT_LAYOUT_KEY, "released")
+    raw.pop(_QUANTIZATION_KEY, None)  # (read by `orbax_quantization`)
     if layout not in EXPERT_LAYOUTS:
         manager.close()
         raise CheckpointError(f"{root}: {_EXPERT_LAYOUT_KEY} is {layout!r}, not one of {sorted(EXPERT_LAYOUTS)}")
     return manager, step, Qwen3VLConfig.from_hf_config(raw), layout
+
+
+def orbax_quantization(directory: str | os.PathLike) -> QuantSpec | None:
+    """The `quant.QuantSpec` recorded in a `save_orbax` checkpoint of a quantized model, or None."""
+    import orbax.checkpoint as ocp
+
+    root = os.path.abspath(os.path.join(os.fspath(directory), ORBAX_SUBDIR))
+    manager, step, _, _ = _open_orbax(root, "standard")
+    with manager:
+        raw = dict(manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config)
+    return _spec_from_json(raw.get(_QUANTIZATION_KEY), root)
 
 
 def orbax_expert_layout(directory: str | os.PathLike) -> str:
@@ -834,7 +868,11 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, expect
         if is_orbax_dir(source):
             if quantize is not None:
                 raise ValueError("--quantize reads an HF checkpoint; convert the Orbax one to HF first")
-            config, params = stack.enter_context(open_orbax_params(source, expected_for, dtype=np_dtype))
+            spec = orbax_quantization(source)
+            if spec is not None and to == "hf" and spec.method != "fp8":
+                raise ValueError(f"{source} holds {spec.method} weights, which have no HF checkpoint format here")
+            expected_source = expected_for if spec is None else functools.partial(expected_for, quantization=spec)
+            config, params = stack.enter_context(open_orbax_params(source, expected_source, dtype=np_dtype))
         else:
             config = Qwen3VLConfig.from_hf_config(source)
             spec = checkpoint_quantization(source, config)
@@ -844,12 +882,13 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, expect
             params = plan_hf_params(source, expected, config, dtype=np_dtype)
             if quantize is not None:
                 params = quantize_params(params, quantize)
+                spec = quantize
                 if quantize.method == "fp8":
                     config = config.replace(quantization=fp8_config(quantize))
         layout = expert_layout_of(params) or "released"
         params = _with_callback(params, on_tensor)
         if to == "orbax":
-            write_orbax(nest_paths(params), config, tmp, expert_layout=layout)
+            write_orbax(nest_paths(params), config, tmp, expert_layout=layout, quantization=spec)
         else:
             write_hf(params, config, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes, expert_layout=layout)
         # An HF export writes its own config.json; an Orbax directory keeps the source's beside the

@@ -38,8 +38,8 @@ from pallas_kernels.attention.mask import AttentionMask
 
 from . import pruning as pruning_lib
 from .config import Qwen3VLConfig
-from .convert import (checkpoint_quantization, fp8_config, is_orbax_dir, orbax_expert_layout, plan_hf_params, restore_orbax, save_hf,
-                      save_orbax)
+from .convert import (checkpoint_quantization, fp8_config, is_orbax_dir, orbax_expert_layout, orbax_quantization,
+                      plan_hf_params, restore_orbax, save_hf, save_orbax)
 from .generate import GenerationConfig
 from .generate import generate as generate_tokens
 from .layers import Linear, check_layers, use_scan
@@ -250,6 +250,8 @@ class Qwen3VL(nnx.Module):
             kwargs["quantization"] = spec
             return config, params
 
+        kwargs["quantization"] = orbax_quantization(path)
+
         def target(config):  # Orbax holds the canonical per-block layout
             abstract = cls.abstract(config, **{**kwargs, "scan_layers": False})
             pure = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
@@ -266,7 +268,7 @@ class Qwen3VL(nnx.Module):
         """Write the parameters (canonical per-block layout) and the config as Orbax under `directory/orbax`
         (each parameter is copied to the host as it is written, one at a time)."""
         return save_orbax(nest_paths(canonical_params(self)), self.config, directory,
-                          expert_layout=self.expert_layout)
+                          expert_layout=self.expert_layout, quantization=self.quantization)
 
     def save_hf(self, directory: str | os.PathLike, *, dtype: str | None = None,
                 max_shard_bytes: int | None = None) -> str:

@@ -168,7 +168,7 @@ def test_tiled_product_equals_the_dequantized_weight(method, block, rows, cols):
 INT_BOUNDS = {"int8": (0.03, 15 / 16), "int4": (0.45, 10 / 16), "fp8": (0.12, 15 / 16)}
 
 
-@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("method", ["int8", "int4", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_weight_only_quantization_error(tiny_dir, jax_model, method):
     ids = np.random.default_rng(1).integers(0, 400, size=(16, 10))
     ref = np.asarray(jax_model(ids))
@@ -184,7 +184,8 @@ def test_weight_only_quantization_error(tiny_dir, jax_model, method):
     assert 0 < error <= bound and same >= share
 
 
-@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=pytest.mark.slow),
+                                    pytest.param("fp8", marks=pytest.mark.slow)])
 def test_quantized_experts_equal_the_model_on_dequantized_weights(tmp_path_factory, method):
     """MoE experts have their own quantized path (`moe.QuantExperts`, multiplied tile by tile inside
     each expert tile; `lax.ragged_dot` dequantizes whole). Both equal the full-precision model whose
@@ -221,3 +222,43 @@ def test_quantized_experts_equal_the_model_on_dequantized_weights(tmp_path_facto
     for impl, out in outs.items():
         assert_close(out, ref, "f32_logits", f"{method} experts, {impl}")
     assert np.abs(ref - np.asarray(Qwen3VL.from_pretrained(d)(ids))).max() > 1e-3  # the weights did change
+
+
+def test_plan_counts_quantized_bytes():
+    """The planner reads the quantized model's rows: a quantized linear costs 1 byte per weight (fp8,
+    int8) or half a byte (int4, two per byte), plus its float32 scale grid, in place of 2 (bf16)."""
+    from qwen3vl_jax.config import preset
+    from qwen3vl_jax.plan import plan
+
+    t = preset("8b").text
+    e, q, kv, i, n = t.hidden_size, t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim, \
+        t.intermediate_size, t.num_hidden_layers
+    shapes = [(e, q), (e, kv), (e, kv), (q, e), (e, i), (e, i), (i, e)]  # [in, out] of each layer's linears
+    weights = n * sum(a * b for a, b in shapes)
+    ceil = lambda a, b: -(-a // b)  # noqa: E731
+    grids = {"fp8": n * sum(ceil(a, 128) * ceil(b, 128) for a, b in shapes),
+             "int8": n * sum(b for _, b in shapes),
+             "int4": n * sum(ceil(a, 128) * b for a, b in shapes)}
+    per_weight = {"fp8": 1, "int8": 1, "int4": 0.5}
+    base = plan("8b").params_bytes
+    for method in ("fp8", "int8", "int4"):
+        got = plan("8b", quantize=method).params_bytes
+        assert got == base - 2 * weights + int(per_weight[method] * weights) + 4 * grids[method], method
+
+
+def test_convert_quantize(tiny_dir, tmp_path):
+    """`convert --quantize`: int4 to Orbax (the spec recorded beside the config) and fp8 to HF's FP8
+    format both load into the same model `from_pretrained(quantize=...)` builds; int4 to HF is refused."""
+    ids = np.random.default_rng(3).integers(0, 400, size=(1, 8))
+    cli(["convert", str(tiny_dir), str(tmp_path / "int4"), "--quantize", "int4", "--group-size", "32",
+         "--dtype", "float32"])
+    restored = Qwen3VL.from_pretrained(tmp_path / "int4")
+    direct = Qwen3VL.from_pretrained(tiny_dir, quantize=QuantSpec.make("int4", group=32))
+    assert restored.language_model.layers[1].mlp.up_proj.kernel.dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(restored(ids)), np.asarray(direct(ids)))
+    cli(["convert", str(tiny_dir), str(tmp_path / "fp8"), "--quantize", "fp8", "--to", "hf", "--dtype", "float32"])
+    assert "quantization_config" in json.load(open(tmp_path / "fp8" / "config.json"))
+    np.testing.assert_array_equal(np.asarray(Qwen3VL.from_pretrained(tmp_path / "fp8")(ids)),
+                                  np.asarray(Qwen3VL.from_pretrained(tiny_dir, quantize="fp8")(ids)))
+    with pytest.raises(ValueError, match="int4 has no HF checkpoint format"):
+        cli(["convert", str(tiny_dir), str(tmp_path / "bad"), "--quantize", "int4", "--to", "hf"])
