@@ -18,9 +18,9 @@ both sides and the ratio HF / ours (above 1 means we are faster). Writes nothing
 `--quantize int8 int4 fp8`: instead, weight-only quantized decoding (`qwen3vl_jax.quant`: the
 language model's linears quantized, the embeddings / tied LM head, norms and vision tower in f32)
 against the same model with f32 and with bf16 weights, in the same run: greedy decode tokens/s on
-a text prompt (medians of `--repeats`), the ratio to f32, the decoder's weight bytes per token,
+a text prompt (medians of `--repeats`), the ratio to f32, the weight bytes read per token,
 and the logit error against f32 (max |diff| / max |logit| over the prompt) with the share of
-greedy ids equal to f32's. No HF model is run for this part.
+generated greedy ids equal to f32's. No HF model is run for this part.
 
 `--moe`: the 30B-A3B widths instead (hidden 2048, 128 experts of width 768, top 8; HF's
 `Qwen3VLMoeForConditionalGeneration` beside ours); the decode bandwidth fraction then counts the
@@ -248,14 +248,15 @@ def bench_quantized(directory, config, args) -> None:
         if reference is None:
             reference = (logits, ids)
         error = np.abs(logits - reference[0]).max() / np.abs(reference[0]).max()
-        same = float(np.mean(np.asarray(ids) == np.asarray(reference[1])))
+        new = slice(prompt.shape[1], None)  # the generated tokens only
+        same = float(np.mean(np.asarray(ids)[:, new] == np.asarray(reference[1])[:, new]))
         rows.append((name, decode_weight_bytes(model), rate, error, same))
         del model
     print(f"\nquantized decode ({config.text.num_hidden_layers} decoder layers of the 2B widths; text prompt "
           f"{prompt.shape[1]} tokens, {n} new tokens; medians of {args.repeats})")
-    print(f"{'weights':<8}{'decode GiB/tok':>15}{'tok/s':>8}{'vs f32':>8}{'logit err':>11}{'same ids':>10}")
+    print(f"{'weights':<8}{'decode GiB/tok':>15}{'tok/s':>8}{'vs f32':>8}{'logit err':>11}{'new ids as f32':>16}")
     for name, nbytes, rate, error, same in rows:
-        print(f"{name:<8}{nbytes / 2**30:>15.3f}{rate:>8.2f}{rate / rows[0][2]:>8.2f}{error:>11.2e}{same:>10.0%}")
+        print(f"{name:<8}{nbytes / 2**30:>15.3f}{rate:>8.2f}{rate / rows[0][2]:>8.2f}{error:>11.2e}{same:>16.0%}")
 
 
 if __name__ == "__main__":
