@@ -390,6 +390,8 @@ def main(argv=None) -> int:
     tune.add_argument("--data", required=True, help="JSONL, one conversation per line (media relative to it)")
     tune.add_argument("--out", required=True, help="output directory (checkpoints/, metrics.jsonl, loss.png, adapter/)")
     tune.add_argument("--lora-rank", type=int, default=0, help="0 = full fine-tuning")
+    tune.add_argument("--quantize", choices=("int8", "int4", "fp8"), default=None,
+                      help="QLoRA: the language model's linears quantized and frozen under the adapters")
     tune.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x rank")
     tune.add_argument("--lora-dropout", type=float, default=0.0)
     tune.add_argument("--lora-vision", action="store_true", help="adapters on the vision blocks too")

@@ -352,6 +352,7 @@ class QuantLinear(nnx.Module):
                  dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         self.in_features, self.out_features = in_features, out_features
         self.method, self.block = spec.method, spec.block_for(in_features)
+        self.param_dtype = param_dtype
         self.dtype = dtype
         self.kernel = nnx.Param(jnp.zeros(storage_shape(spec.method, in_features, out_features),
                                           storage_dtype(spec.method)))

@@ -307,3 +307,55 @@ def test_fp8_checkpoint_sharded_on_8_host_devices(fp8_dirs):
     for case, got in json.loads(run.stdout.strip().splitlines()[-1]).items():
         assert got["diff"] <= 1e-4, case
         assert got["reads"] == [64 * 128 // 8] * 8, case  # q_proj [in 64, out 128]: one eighth per device
+
+
+@pytest.mark.slow
+@pytest.mark.needs_torch
+def test_qlora_trains_only_the_adapters_and_loads_in_peft(tiny_dir, tmp_path):
+    """QLoRA: adapters over the int4-quantized language model. The loss falls, the quantized base
+    (kernels and scales) is unchanged bit for bit, the optimizer holds the adapters only, and the
+    saved adapter loads in HF + PEFT on the full-precision base with our logits for that base."""
+    import torch
+    from peft import PeftModel
+    from test_training_labels import CONVERSATIONS, conversation_batch
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from qwen3vl_jax import Qwen3VLProcessor
+    from qwen3vl_jax.model import MODEL_INPUTS
+    from qwen3vl_jax.params import canonical_params
+    from qwen3vl_jax.training import OptimConfig, assistant_labels, causal_lm_loss
+    from qwen3vl_jax.training.lora import LoRAConfig, LoRAWeight, QuantLoRALinear, add_lora, save_adapter
+    from qwen3vl_jax.training.trainer import Trainer
+
+    processor = Qwen3VLProcessor.from_pretrained(tiny_dir)
+    batch = conversation_batch(processor, CONVERSATIONS, "left")
+    batch["labels"] = assistant_labels(batch["input_ids"], batch["attention_mask"], processor, CONVERSATIONS)
+    model = Qwen3VL.from_pretrained(tiny_dir, quantize=QuantSpec.make("int4", group=32))
+    adapted = add_lora(model, LoRAConfig(rank=4, alpha=8.0))
+    assert adapted and all(isinstance(m, QuantLoRALinear) for m in
+                           [model.language_model.layers[0].self_attn.q_proj, model.language_model.layers[2].mlp.down_proj])
+    base = {k: np.asarray(v).copy() for k, v in canonical_params(model).items()}
+    trainer = Trainer(model, OptimConfig(learning_rate=1e-2, total_steps=100), trainable=LoRAWeight)
+    from flax import nnx
+
+    from qwen3vl_jax.training.optim import param_path
+
+    trained = [param_path(k) for k, _ in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(trainer.params))[0]]
+    assert trained and all(".lora_" in p for p in trained)  # gradients and moments: the adapters only
+    before = float(causal_lm_loss(model, batch))
+    losses = [trainer.step([batch])["loss"] for _ in range(4)]
+    after = float(causal_lm_loss(model, batch))
+    print(f"QLoRA int4: eval loss {before:.4f} -> {after:.4f}; train losses {losses}")
+    assert after < before - 0.05
+    for k, v in canonical_params(model).items():
+        assert np.asarray(v).tobytes() == base[k].tobytes(), f"{k} moved"
+    directory = save_adapter(model, tmp_path / "adapter")
+
+    ours = Qwen3VL.from_pretrained(tiny_dir, adapter=directory)  # the full-precision base + the adapter
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, directory).eval()
+    inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+    with torch.no_grad():
+        ref = peft_model(**{k: torch.from_numpy(np.asarray(v)) for k, v in inputs.items()}).logits.numpy()
+    real = np.asarray(batch["attention_mask"]).astype(bool)
+    assert_close(np.asarray(ours(**inputs))[real], ref[real], "f32_logits", "QLoRA adapter on the full base in PEFT")
