@@ -24,7 +24,7 @@ import numpy as np
 
 from .config import Qwen3VLConfig
 from .params import (EXPERT_LAYOUTS, CheckpointError, LazyTensor, Transform, as_lazy, expert_layout_of, flatten_paths,
-                     hf_rule, hf_to_ours_name, keeps_dtype, nest_paths,
+                     hf_rule, keeps_dtype, nest_paths,
                      ours_to_hf_name)
 from .quant import QuantSpec, module_kind, quantize_params
 

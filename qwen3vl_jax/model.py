@@ -42,7 +42,7 @@ from .convert import (checkpoint_quantization, fp8_config, is_orbax_dir, orbax_e
                       plan_hf_params, restore_orbax, save_hf, save_orbax)
 from .generate import GenerationConfig
 from .generate import generate as generate_tokens
-from .layers import Linear, check_layers, use_scan
+from .layers import check_layers, use_scan
 from .mrope import get_rope_index
 from .params import canonical_params, count_params, expert_layout_of, fill_state, flat_paths, nest_paths, param_shapes
 from .quant import QuantSpec, make_linear, quantize_params

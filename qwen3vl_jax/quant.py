@@ -28,7 +28,6 @@ quantized (by kind: a module path with `*` for the block index, e.g.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 
 import functools
@@ -412,17 +411,16 @@ def quantize_params(params: dict[str, object], spec: QuantSpec) -> dict[str, obj
         lead = tuple(lazy.shape[:-2])
         kernel_shape = lead + storage_shape(spec.method, rows, cols)
         grid = lead + scale_shape(block, rows, cols)
-        scale_path = path + "_scale" if not path.endswith(".kernel") else path + "_scale"
 
         def take_kernel(once=once):
-            kernel = once()[0]
-            return kernel
+            return once()[0]
 
-        def take_scale(once=once):
+        def take_scale(once=once):  # (read after the kernel: the cached pair is then released)
             scale = once()[1].astype(spec.np_scale_dtype)
             once.cache_clear()
             return scale
 
+        # `...kernel` -> `...kernel_scale`; experts' `...gate_up_proj` -> `...gate_up_proj_scale`
         out[path] = LazyTensor(kernel_shape, storage_dtype(spec.method), take_kernel, lazy.source)
-        out[scale_path] = LazyTensor(grid, spec.np_scale_dtype, take_scale, lazy.source + " (scales)")
+        out[path + "_scale"] = LazyTensor(grid, spec.np_scale_dtype, take_scale, lazy.source + " (scales)")
     return out

@@ -29,7 +29,7 @@ from pallas_kernels.attention import api as attention_api
 from pallas_kernels.attention.mask import AttentionMask
 
 from .config import TextConfig
-from .layers import Linear, RMSNorm, apply_rotary, check_layers, make_stack, run_stack, segment_edges
+from .layers import RMSNorm, apply_rotary, check_layers, make_stack, run_stack, segment_edges
 from .moe import MoEBlock
 from .quant import QuantSpec, make_linear
 from .pruning.llm import LLMPruning, compaction, gather_rows

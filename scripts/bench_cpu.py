@@ -239,7 +239,7 @@ def bench_quantized(directory, config, args) -> None:
         logits = np.asarray(model(prompt), np.float32)
         ids = model.generate(prompt, max_new_tokens=n, eos_token_id=[])
 
-        def run(k):
+        def run(k, model=model):
             return model.generate(prompt, max_new_tokens=k, eos_token_id=[])
 
         first = _median_seconds(lambda: run(1), args.repeats)
@@ -251,7 +251,6 @@ def bench_quantized(directory, config, args) -> None:
         new = slice(prompt.shape[1], None)  # the generated tokens only
         same = float(np.mean(np.asarray(ids)[:, new] == np.asarray(reference[1])[:, new]))
         rows.append((name, decode_weight_bytes(model), rate, error, same))
-        del model
     print(f"\nquantized decode ({config.text.num_hidden_layers} decoder layers of the 2B widths; text prompt "
           f"{prompt.shape[1]} tokens, {n} new tokens; medians of {args.repeats})")
     print(f"{'weights':<8}{'decode GiB/tok':>15}{'tok/s':>8}{'vs f32':>8}{'logit err':>11}{'new ids as f32':>16}")
