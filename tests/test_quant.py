@@ -96,6 +96,10 @@ def test_fp8_convert_writes_the_same_format_back(tiny_dir, tmp_path, scale_dtype
     read = lambda d: json.load(open(os.path.join(d, "config.json")))["quantization_config"]  # noqa: E731
     assert read(tmp_path / "back") == read(src)
     assert any(v.dtype == ml_dtypes.float8_e4m3fn for v in after.values())
+    Qwen3VL.from_pretrained(src).save_hf(tmp_path / "saved", dtype="float32")  # the model's own export
+    saved = _tensors(tmp_path / "saved")
+    assert sorted(saved) == sorted(before) and read(tmp_path / "saved") == read(src)
+    assert all(saved[n].tobytes() == v.tobytes() and saved[n].dtype == v.dtype for n, v in before.items())
 
 
 def _edit(src, out, *, config=None, drop=(), change=None):
