@@ -100,6 +100,12 @@ def test_fp8_convert_writes_the_same_format_back(tiny_dir, tmp_path, scale_dtype
     saved = _tensors(tmp_path / "saved")
     assert sorted(saved) == sorted(before) and read(tmp_path / "saved") == read(src)
     assert all(saved[n].tobytes() == v.tobytes() and saved[n].dtype == v.dtype for n, v in before.items())
+    if scale_dtype == "float32":  # and through Orbax (FP8 kept as FP8): HF -> Orbax -> HF
+        cli(["convert", str(src), str(tmp_path / "orbax"), "--dtype", "float32"])
+        cli(["convert", str(tmp_path / "orbax"), str(tmp_path / "again"), "--to", "hf", "--dtype", "float32"])
+        again = _tensors(tmp_path / "again")
+        assert sorted(again) == sorted(before) and read(tmp_path / "again") == read(src)
+        assert all(again[n].tobytes() == v.tobytes() and again[n].dtype == v.dtype for n, v in before.items())
 
 
 def _edit(src, out, *, config=None, drop=(), change=None):
