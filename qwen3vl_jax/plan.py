@@ -161,7 +161,10 @@ def _param_shapes(config: Qwen3VLConfig, quantize: str | None = None
     """Canonical `(path, shape, bytes per element)` of every parameter (abstract; no memory is
     allocated); the element size is that of a quantized weight or its scales (`quantize`), None
     for a parameter stored in `param_dtype`."""
-    spec = None if quantize is None else QuantSpec.make(quantize)
+    spec = None
+    if quantize is not None:  # an FP8 checkpoint's own block size, else the default 128 x 128
+        block = config.quantization.weight_block_size if config.quantization is not None else (128, 128)
+        spec = QuantSpec.make(quantize, block=block)
     return tuple((path, shape, np.dtype(dtype).itemsize if keeps_dtype(path, dtype) else None)
                  for path, (shape, dtype) in expected_params(config, scan_layers=True, quantization=spec).items())
 
@@ -300,7 +303,8 @@ def plan(config_or_preset, mesh_spec="", batch: int = 1, context: int = 4096, tr
     device_memory: bytes or a size like "80GB" to compare the total against.
     quantize: "fp8", "int8" or "int4": the language model's linears and experts stored quantized
       (`qwen3vl_jax.quant`; fp8 in 128 x 128 blocks with float32 scales, int4 in groups of 128;
-      the embeddings, norms, vision tower and `lm_head` in `param_dtype`); inference only.
+      the embeddings, norms, vision tower and `lm_head` in `param_dtype`); inference only. An FP8
+      checkpoint's config (`quantization_config`) plans as "fp8" unless `quantize` says otherwise.
     Raises `ShardingError` (a `ValueError`) naming the parameter and axis for a mesh that cannot
     split the model, and `ValueError` for other bad arguments.
     """
@@ -311,8 +315,10 @@ def plan(config_or_preset, mesh_spec="", batch: int = 1, context: int = 4096, tr
     if context > config.text.max_position_embeddings:
         raise ValueError(f"context {context} is past the model's context ({config.text.max_position_embeddings} "
                          "positions, max_position_embeddings)")
+    if quantize is None and config.quantization is not None and not train:
+        quantize = "fp8"  # an FP8 checkpoint keeps its weights in FP8 (`from_pretrained`)
     if quantize is not None and train:
-        raise ValueError("quantize plans inference only (QLoRA is not built yet)")
+        raise ValueError("quantize plans inference only (a full fine-tuning step; QLoRA's adapters are small)")
     param_dtype = param_dtype or ("float32" if train else dtype)
     for label, value in (("dtype", dtype), ("param_dtype", param_dtype)):
         if value not in DTYPES:
@@ -327,7 +333,7 @@ def plan(config_or_preset, mesh_spec="", batch: int = 1, context: int = 4096, tr
         spec = tuple(param_spec(path, shape, mesh, vision=vision))
         split = _split(spec, sizes)
         rows.append(ParamRow(path, shape, spec, split, math.prod(shape) // split * (itemsize or p)))
-    count = sum(math.prod(r.shape) for r in rows)
+    count = sum(math.prod(shape) for _, shape, _ in _param_shapes(config))  # (the model's, unquantized)
     params_bytes = sum(r.bytes_per_device for r in rows)
 
     text = config.text

@@ -234,7 +234,7 @@ def test_quantized_experts_equal_the_model_on_dequantized_weights(tmp_path_facto
     assert np.abs(ref - np.asarray(Qwen3VL.from_pretrained(d)(ids))).max() > 1e-3  # the weights did change
 
 
-def test_plan_counts_quantized_bytes():
+def test_plan_counts_quantized_bytes(fp8_dirs, tiny_dir):
     """The planner reads the quantized model's rows: a quantized linear costs 1 byte per weight (fp8,
     int8) or half a byte (int4, two per byte), plus its float32 scale grid, in place of 2 (bf16)."""
     from qwen3vl_jax.config import preset
@@ -252,8 +252,12 @@ def test_plan_counts_quantized_bytes():
     per_weight = {"fp8": 1, "int8": 1, "int4": 0.5}
     base = plan("8b").params_bytes
     for method in ("fp8", "int8", "int4"):
-        got = plan("8b", quantize=method).params_bytes
+        quantized = plan("8b", quantize=method)
+        assert quantized.parameters == plan("8b").parameters  # the model's count, not the storage's
+        got = quantized.params_bytes
         assert got == base - 2 * weights + int(per_weight[method] * weights) + 4 * grids[method], method
+    fp8 = plan(fp8_dirs["full"])  # an FP8 checkpoint's config plans its weights in FP8
+    assert fp8.quantize == "fp8" and fp8.params_bytes < plan(tiny_dir).params_bytes
 
 
 def test_convert_quantize(tiny_dir, tmp_path):
