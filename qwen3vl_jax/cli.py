@@ -247,10 +247,14 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+def _directory_bytes(directory) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(directory) for f in files)
+
+
 def run_convert(args) -> None:
     from tqdm.auto import tqdm
 
-    from .convert import convert_checkpoint, storage_dtype
+    from .convert import convert_checkpoint
     from .model import expected_params
     from .quant import QuantSpec
 
@@ -263,8 +267,10 @@ def run_convert(args) -> None:
             max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite,
             on_tensor=lambda name: bar.update(), quantize=spec)
     peak = peak_rss_bytes() / 2**30
-    print(f"wrote {args.to} checkpoint to {args.out}: {n:,} parameters in {args.dtype} "
-          f"({n * storage_dtype(args.dtype).itemsize / 2**30:.2f} GiB), {len(copied)} side files, "
+    stored = (f"{args.dtype}, the language model's linears in {args.quantize}" if args.quantize
+              else args.dtype)
+    print(f"wrote {args.to} checkpoint to {args.out}: {n:,} parameters in {stored} "
+          f"({_directory_bytes(args.out) / 2**30:.2f} GiB on disk), {len(copied)} side files, "
           f"{time.perf_counter() - start:.1f} s, peak host memory {peak:.2f} GiB")
 
 
