@@ -373,3 +373,20 @@ def test_qlora_trains_only_the_adapters_and_loads_in_peft(tiny_dir, tmp_path):
         ref = peft_model(**{k: torch.from_numpy(np.asarray(v)) for k, v in inputs.items()}).logits.numpy()
     real = np.asarray(batch["attention_mask"]).astype(bool)
     assert_close(np.asarray(ours(**inputs))[real], ref[real], "f32_logits", "QLoRA adapter on the full base in PEFT")
+
+
+def test_finetune_quantize_needs_lora_and_refuses_a_merged_export(tiny_dir, tmp_path):
+    """QLoRA's arguments are checked before anything is loaded, naming the option."""
+    from qwen3vl_jax.checks import ArgumentError
+    from qwen3vl_jax.training.run import finetune
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n')
+    common = dict(model=str(tiny_dir), data=str(data), out=str(tmp_path / "out"), progress=False)
+    with pytest.raises(ArgumentError, match="give --lora-rank"):
+        finetune(**common, quantize="int4")
+    with pytest.raises(ArgumentError, match="--export-merged with --quantize"):
+        finetune(**common, quantize="int4", lora_rank=4, export_merged=str(tmp_path / "merged"))
+    with pytest.raises(ArgumentError, match="--quantize must be int8, int4 or fp8"):
+        finetune(**common, quantize="nf4", lora_rank=4)
+    assert not os.path.exists(tmp_path / "out")
