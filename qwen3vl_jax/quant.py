@@ -9,13 +9,13 @@ o // bo]`: HF's `weight_scale_inv` transposed like the weight ("multiply to dequ
 | method | `kernel` | block `(bi, bo)` | from |
 |---|---|---|---|
 | `fp8`  | `float8_e4m3fn [in, out]` | `(128, 128)` (the checkpoint's `weight_block_size`, swapped) | HF FP8 checkpoints, or quantized here |
-| `int8` | `int8 [in, out]` | `(in, 1)`: one scale per output channel | quantized here |
+| `int8` | `int8 [in, out]` | `(0, 1)` (0: the whole axis): one scale per output channel | quantized here |
 | `int4` | `int8 [ceil(in/2), out]`, two signed nibbles per byte (row 2p low, 2p + 1 high) | `(group, 1)`, group 128 | quantized here |
 
 The product never upcasts a whole weight: on a CPU XLA does not fuse a conversion into a
 matrix-vector product (a bf16 / int8 / fp8 weight upcast whole runs ~11x slower than f32), so
-`qdot` loops over tiles of `TILE` input rows, each decoded, scaled and multiplied, accumulating in
-float32. FP8 bytes are decoded by integer arithmetic (bit-exact with `astype`: XLA's CPU conversion
+`qdot` loops over tiles of `TILE` input rows x `TILE_COLS` output columns, each decoded and
+multiplied, its partial product scaled, accumulating in float32. FP8 bytes are decoded by integer arithmetic (bit-exact with `astype`: XLA's CPU conversion
 from `float8_e4m3fn` is scalar and as slow as a whole-weight upcast).
 
 `QTensor` is a quantized weight as a pytree (`kernel`, `scale` and the static method / block), so a
@@ -28,9 +28,8 @@ quantized (by kind: a module path with `*` for the block index, e.g.
 from __future__ import annotations
 
 import dataclasses
-import re
-
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
