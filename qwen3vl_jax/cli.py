@@ -247,21 +247,30 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+def _directory_bytes(directory) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(directory) for f in files)
+
+
 def run_convert(args) -> None:
     from tqdm.auto import tqdm
 
-    from .convert import convert_checkpoint, storage_dtype
+    from .convert import convert_checkpoint
     from .model import expected_params
+    from .quant import QuantSpec
 
+    spec = None if args.quantize is None else QuantSpec.make(args.quantize, group=args.group_size,
+                                                             lm_head=args.quantize_lm_head)
     start = time.perf_counter()
     with tqdm(desc=f"converting {os.path.basename(os.path.abspath(args.source))}", unit=" tensors") as bar:
         _, n, copied = convert_checkpoint(
             args.source, args.out, expected_params, to=args.to, dtype=args.dtype,
             max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite,
-            on_tensor=lambda name: bar.update())
+            on_tensor=lambda name: bar.update(), quantize=spec)
     peak = peak_rss_bytes() / 2**30
-    print(f"wrote {args.to} checkpoint to {args.out}: {n:,} parameters in {args.dtype} "
-          f"({n * storage_dtype(args.dtype).itemsize / 2**30:.2f} GiB), {len(copied)} side files, "
+    stored = (f"{args.dtype}, the language model's linears in {args.quantize}" if args.quantize
+              else args.dtype)
+    print(f"wrote {args.to} checkpoint to {args.out}: {n:,} parameters in {stored} "
+          f"({_directory_bytes(args.out) / 2**30:.2f} GiB on disk), {len(copied)} side files, "
           f"{time.perf_counter() - start:.1f} s, peak host memory {peak:.2f} GiB")
 
 
@@ -283,7 +292,7 @@ def run_plan(args) -> int:
     from .plan import check, check_table, plan, smallest_mesh
 
     options = dict(dtype=args.dtype, param_dtype=args.param_dtype, remat=args.remat, vision=args.vision,
-                   device_memory=args.device_memory)
+                   device_memory=args.device_memory, quantize=args.quantize)
     source = args.config or args.preset
     try:
         if args.mesh == "auto":
@@ -329,6 +338,9 @@ def check_arguments(args) -> None:
             raise ArgumentError(f"--model: no such checkpoint directory: {args.model}")
     elif args.command == "convert":  # (its paths are checked by `convert.convert_checkpoint`, before reading)
         positive_int("--max-shard-bytes", args.max_shard_bytes)
+        positive_int("--group-size", args.group_size)
+        if args.group_size % 2:
+            raise ArgumentError(f"--group-size must be even (int4 packs two rows a byte), got {args.group_size}")
     elif args.command == "plan":
         positive_int("--batch", args.batch)
         positive_int("--context", args.context)
@@ -369,6 +381,11 @@ def main(argv=None) -> int:
     convert.add_argument("out", help="output directory")
     convert.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     convert.add_argument("--to", choices=("orbax", "hf"), default="orbax")
+    convert.add_argument("--quantize", choices=("int8", "int4", "fp8"), default=None,
+                         help="quantize the language model's linears and experts (weight-only; int8 per output "
+                              "channel, int4 in groups of --group-size input rows, fp8 in 128 x 128 blocks)")
+    convert.add_argument("--group-size", type=int, default=128, help="int4 group size (default 128)")
+    convert.add_argument("--quantize-lm-head", action="store_true", help="quantize lm_head too (default: kept)")
     convert.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES,
                          help="largest safetensors shard for --to hf (default 5e9; memory does not depend "
                               "on it: tensors are written one at a time)")
@@ -379,6 +396,8 @@ def main(argv=None) -> int:
     tune.add_argument("--data", required=True, help="JSONL, one conversation per line (media relative to it)")
     tune.add_argument("--out", required=True, help="output directory (checkpoints/, metrics.jsonl, loss.png, adapter/)")
     tune.add_argument("--lora-rank", type=int, default=0, help="0 = full fine-tuning")
+    tune.add_argument("--quantize", choices=("int8", "int4", "fp8"), default=None,
+                      help="QLoRA: the language model's linears quantized and frozen under the adapters")
     tune.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x rank")
     tune.add_argument("--lora-dropout", type=float, default=0.0)
     tune.add_argument("--lora-vision", action="store_true", help="adapters on the vision blocks too")
@@ -418,6 +437,8 @@ def main(argv=None) -> int:
     memo.add_argument("--vision", choices=("data", "tensor"), default="data",
                       help="the vision tower replicated (default) or tensor-parallel")
     memo.add_argument("--device-memory", default=None, help="e.g. 80GB (10^9 bytes), 141GB, 96GiB")
+    memo.add_argument("--quantize", choices=("int8", "int4", "fp8"), default=None,
+                      help="the language model's linears and experts stored quantized (inference)")
     memo.add_argument("--devices", type=int, default=None, help="the device count the mesh must use")
     memo.add_argument("--max-devices", type=int, default=512, help="the largest mesh --mesh auto tries")
     memo.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -23,7 +23,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["VisionConfig", "TextConfig", "Qwen3VLConfig", "PRESETS", "preset", "MODEL_TYPES"]
+__all__ = ["VisionConfig", "TextConfig", "Qwen3VLConfig", "FP8Config", "PRESETS", "preset", "MODEL_TYPES"]
 
 # The dense models and the Mixture-of-Experts ones (30B-A3B, 235B-A22B).
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
@@ -208,8 +208,61 @@ class TextConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class FP8Config:
+    """HF's fine-grained FP8 `quantization_config` (the Qwen3-VL FP8 releases): `quant_method: "fp8"`,
+    `fmt: "e4m3"`, `activation_scheme: "dynamic"`, `weight_block_size [out, in]`. Which tensors are
+    FP8 is told by the checkpoint (a weight with a sibling `weight_scale_inv`), not by
+    `modules_to_not_convert`. `raw` is the JSON as read, written back unchanged."""
+
+    weight_block_size: tuple[int, int]
+    raw: str
+
+    KNOWN = frozenset({"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert",
+                       "dequantize", "scale_fmt"})
+
+    @classmethod
+    def parse(cls, raw: Any, problems: list[str]) -> "FP8Config | None":
+        where = "quantization_config"
+        if not isinstance(raw, Mapping):
+            problems.append(f"{where} must be a JSON object, got {raw!r}")
+            return None
+        raw = dict(raw)
+        method = raw.get("quant_method")
+        if method != "fp8":
+            problems.append(f"{where}.quant_method = {method!r} is not supported (only 'fp8': HF's fine-grained "
+                            "FP8; or load a full-precision checkpoint with quantize='int8' | 'int4' | 'fp8')")
+            return None
+        if raw.get("fmt", "e4m3") != "e4m3":
+            problems.append(f"{where}.fmt = {raw['fmt']!r} is not supported (only 'e4m3')")
+        if raw.get("activation_scheme", "dynamic") != "dynamic":
+            problems.append(f"{where}.activation_scheme = {raw['activation_scheme']!r} is not supported (only "
+                            "'dynamic': weight-only FP8, activations in the compute dtype)")
+        if raw.get("scale_fmt") not in (None, "float"):
+            problems.append(f"{where}.scale_fmt = {raw['scale_fmt']!r} is not supported (float scales only)")
+        block = raw.get("weight_block_size")
+        if not (isinstance(block, (list, tuple)) and len(block) == 2
+                and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            problems.append(f"{where}.weight_block_size = {block!r} must be two positive ints [out, in] (per-tensor "
+                            "FP8 is not supported)")
+            block = None
+        modules = raw.get("modules_to_not_convert")
+        if modules is not None and not (isinstance(modules, list) and all(isinstance(m, str) for m in modules)):
+            problems.append(f"{where}.modules_to_not_convert = {modules!r} must be a list of module names")
+        for key in sorted(set(raw) - cls.KNOWN):
+            problems.append(f"{where}.{key} = {raw[key]!r} is not supported")
+        if block is None:
+            return None
+        return cls(weight_block_size=(int(block[0]), int(block[1])), raw=json.dumps(raw, sort_keys=True))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        return json.loads(self.raw)
+
+
+@dataclasses.dataclass(frozen=True)
 class Qwen3VLConfig:
-    """The whole model: vision tower, language model and the special token ids that join them."""
+    """The whole model: vision tower, language model and the special token ids that join them.
+
+    `quantization`: the checkpoint's FP8 `quantization_config` (`FP8Config`), or None."""
 
     vision: VisionConfig
     text: TextConfig
@@ -218,6 +271,7 @@ class Qwen3VLConfig:
     vision_start_token_id: int = 151652
     vision_end_token_id: int = 151653
     tie_word_embeddings: bool = False
+    quantization: FP8Config | None = None
 
     def __post_init__(self):
         _check(self.vision.out_hidden_size == self.text.hidden_size,
@@ -272,14 +326,17 @@ class Qwen3VLConfig:
         elif text_tie is not None and text_tie != tie:
             problems.append(f"tie_word_embeddings is {tie} at the top level but {text_tie} in text_config")
         tokens = _take(top, cls, problems, "")
-        for key in ("vision", "text", "tie_word_embeddings"):
+        for key in ("vision", "text", "tie_word_embeddings", "quantization"):
             tokens.pop(key, None)
         top.pop("vision_token_id", None)  # an alias some exports carry; never read by the model
+        quantization = None
+        if "quantization_config" in top:
+            quantization = FP8Config.parse(top.pop("quantization_config"), problems)
         _reject_unknown("config", top, problems)
         if problems:
             origin = f" ({_config_path(source)})" if isinstance(source, (str, os.PathLike)) else ""
             raise ConfigError(f"cannot represent this Qwen3-VL config{origin}:\n  - " + "\n  - ".join(problems))
-        return cls(vision=vision, text=text, tie_word_embeddings=tie, **tokens)
+        return cls(vision=vision, text=text, tie_word_embeddings=tie, quantization=quantization, **tokens)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF `config.json` content (v5 `rope_parameters` form)."""
@@ -340,6 +397,7 @@ class Qwen3VLConfig:
                 },
                 **experts,
             },
+            **({} if self.quantization is None else {"quantization_config": self.quantization.to_hf_dict()}),
         }
 
     def to_hf_config(self):

@@ -24,8 +24,9 @@ import numpy as np
 
 from .config import Qwen3VLConfig
 from .params import (EXPERT_LAYOUTS, CheckpointError, LazyTensor, Transform, as_lazy, expert_layout_of, flatten_paths,
-                     hf_rule, hf_to_ours_name, nest_paths,
+                     hf_rule, keeps_dtype, nest_paths,
                      ours_to_hf_name)
+from .quant import QuantSpec, module_kind, quantize_params
 
 __all__ = [
     "safetensors_files",
@@ -33,6 +34,9 @@ __all__ = [
     "iter_hf_headers",
     "load_hf_params",
     "plan_hf_params",
+    "checkpoint_quantization",
+    "orbax_quantization",
+    "fp8_config",
     "export_hf_tensors",
     "export_hf_lazy",
     "open_orbax_params",
@@ -89,7 +93,9 @@ def iter_hf_tensors(directory: str | os.PathLike) -> Iterator[tuple[str, str, np
     for file in safetensors_files(directory):
         with _open_safetensors(file) as f:
             for name in f.keys():
-                yield file, name, f.get_tensor(name)
+                # (safetensors' numpy side has no FP8 dtype: those are read by our own reader)
+                fp8 = f.get_slice(name).get_dtype() == "F8_E4M3"
+                yield file, name, _read_hf_tensor(file, name) if fp8 else f.get_tensor(name)
 
 
 def iter_hf_headers(directory: str | os.PathLike) -> Iterator[tuple[str, str, tuple[int, ...], str]]:
@@ -114,7 +120,7 @@ def _numpy_dtype(name: str) -> np.dtype:
 
     names = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-             "BOOL": np.bool_}
+             "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn}
     if name not in names:
         raise CheckpointError(f"unsupported safetensors dtype {name}")
     return np.dtype(names[name])
@@ -122,7 +128,7 @@ def _numpy_dtype(name: str) -> np.dtype:
 
 def _safetensors_dtype(dtype: np.dtype) -> str:
     """The safetensors dtype name of a numpy dtype (the inverse of `_numpy_dtype`)."""
-    for name in ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL"):
+    for name in ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3"):
         if np.dtype(dtype) == _numpy_dtype(name):
             return name
     raise ValueError(f"no safetensors dtype for {np.dtype(dtype)}")
@@ -186,7 +192,18 @@ def _read_hf_block(file: str, name: str, transform: Transform, index: tuple) -> 
     only the pages of that block are touched (for a transposed weight, a strided slice)."""
     with _open_safetensors(file) as f:
         handle = f.get_slice(name)
+        if handle.get_dtype() == "F8_E4M3":  # (no FP8 in safetensors' numpy side: a memory map of its bytes)
+            handle = _mapped_tensor(file, name)
         return np.asarray(transform.read(lambda hf_index: handle[tuple(hf_index)], index))
+
+
+def _mapped_tensor(file: str, name: str) -> np.ndarray:
+    """Tensor `name` of a safetensors file as a read-only memory map (only the pages sliced are read)."""
+    with open(file, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        info = json.loads(f.read(size))[name]
+    begin = 8 + size + int(info["data_offsets"][0])
+    return np.memmap(file, dtype=_numpy_dtype(info["dtype"]), mode="r", offset=begin, shape=tuple(info["shape"]))
 
 
 def _load_to_hf(load: Callable[[], np.ndarray], transform: Transform, config: Qwen3VLConfig,
@@ -268,7 +285,7 @@ def plan_hf_params(
                 f"after {transform.name}, model expects {list(shape)}"
             )
             continue
-        want = np.dtype(dtype or want_dtype)
+        want = np.dtype(want_dtype if keeps_dtype(path, want_dtype) else dtype or want_dtype)
         load = functools.partial(_load_to_ours, file, name, transform, want)
         out[path] = LazyTensor(ours_shape, want, load, name, functools.partial(_read_hf_block, file, name, transform),
                                transform.name)
@@ -285,6 +302,78 @@ def plan_hf_params(
             + "\n  - ".join(problems)
         )
     return out
+
+
+def checkpoint_quantization(directory: str | os.PathLike, config: Qwen3VLConfig) -> QuantSpec | None:
+    """The FP8 layout of an HF checkpoint, from its headers: which modules hold FP8 weights (a weight
+    with a sibling `weight_scale_inv`; every other tensor is not FP8, whatever
+    `modules_to_not_convert` says) as a `quant.QuantSpec`, or None for a full-precision checkpoint.
+
+    Every problem is reported in one `CheckpointError` naming the tensor: a scale without its
+    weight, a scale grid that is not `[ceil(out/B), ceil(in/B)]` of its weight, an FP8 weight without
+    scales, scales of another dtype than float32 / bfloat16, FP8 weights outside the language model
+    (the vision tower, the experts: not supported), or scales without a `quantization_config`.
+    """
+    headers = {name: (shape, dtype) for _, name, shape, dtype in iter_hf_headers(directory)}
+    scales = sorted(n for n in headers if n.endswith("_scale_inv"))
+    problems: list[str] = []
+    if config.quantization is None:
+        fp8 = sorted(n for n, (_, d) in headers.items() if d == "F8_E4M3")
+        if scales or fp8:
+            raise CheckpointError(f"{os.fspath(directory)}: {(scales + fp8)[0]} is a quantized tensor, but "
+                                  "config.json has no quantization_config")
+        return None
+    block_out, block_in = config.quantization.weight_block_size
+    modules, scale_dtypes = set(), set()
+    for name in scales:
+        weight = name[: -len("_scale_inv")]
+        shape, dtype = headers[name]
+        if weight not in headers:
+            problems.append(f"{name}: a scale without its weight ({weight} is not in the checkpoint)")
+            continue
+        wshape, wdtype = headers[weight]
+        if ".mlp.experts." in name or not name.endswith(".weight_scale_inv"):
+            problems.append(f"{name}: FP8 experts in a checkpoint are not supported (load the full-precision "
+                            "checkpoint with quantize='fp8')")
+            continue
+        target = hf_rule(weight)
+        if target is None or not target[0].startswith(("language_model.layers.", "lm_head")):
+            problems.append(f"{name}: FP8 weights outside the language model (here {weight}) are not supported")
+            continue
+        if wdtype != "F8_E4M3":
+            problems.append(f"{name}: its weight {weight} is {wdtype}, not F8_E4M3")
+        if dtype not in ("F32", "BF16"):
+            problems.append(f"{name}: scales must be F32 or BF16, got {dtype}")
+        grid = [-(-wshape[0] // block_out), -(-wshape[1] // block_in)] if len(wshape) == 2 else None
+        if list(shape) != grid:
+            problems.append(f"{name}: scale grid {list(shape)} does not match its weight {weight} {list(wshape)} in "
+                            f"blocks of {[block_out, block_in]} (weight_block_size): expected {grid}")
+        scale_dtypes.add(dtype)
+        modules.add(module_kind(target[0].rsplit(".", 1)[0]))
+    for name, (_, dtype) in sorted(headers.items()):
+        if dtype == "F8_E4M3" and f"{name}_scale_inv" not in headers:
+            problems.append(f"{name} is F8_E4M3 but has no {name}_scale_inv")
+    if len(scale_dtypes) > 1:
+        problems.append(f"the scales mix dtypes {sorted(scale_dtypes)}; one dtype for all is supported")
+    if problems:
+        raise CheckpointError(f"{os.fspath(directory)}: {len(problems)} problem(s) with the FP8 weights:\n  - "
+                              + "\n  - ".join(problems))
+    if not modules:
+        return None
+    return QuantSpec("fp8", (block_in, block_out), frozenset(modules),
+                     "bfloat16" if scale_dtypes == {"BF16"} else "float32")
+
+
+def fp8_config(spec: QuantSpec):
+    """The HF `quantization_config` (`config.FP8Config`) of an fp8 `QuantSpec` (what `save_hf` /
+    `convert --quantize fp8 --to hf` write): the modules it leaves unquantized as HF names."""
+    from .config import FP8Config
+
+    bi, bo = spec.block
+    keep = ["lm_head"] if "lm_head" not in spec.modules else []
+    raw = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [bo, bi],
+           "modules_to_not_convert": keep + ["model.visual"]}
+    return FP8Config(weight_block_size=(bo, bi), raw=json.dumps(raw, sort_keys=True))
 
 
 def load_hf_params(
@@ -326,7 +415,8 @@ def export_hf_lazy(params: Mapping[str, object], config: Qwen3VLConfig, *,
         value = as_lazy(value, path)
         name, transform = ours_to_hf_name(path, expert_layout)
         shape = _transformed_shape(lambda a, t=transform: t.to_hf(a, config), value.shape)
-        want = np.dtype(dtype) if dtype is not None else np.dtype(value.dtype)
+        keep = dtype is None or keeps_dtype(path, value.dtype)  # (a quantized weight or its scales)
+        want = np.dtype(value.dtype) if keep else np.dtype(dtype)
         load = functools.partial(_load_to_hf, value.load, transform, config, want)
         out[name] = LazyTensor(shape, want, load, name)
     return out
@@ -338,6 +428,24 @@ ORBAX_SUBDIR = "orbax"
 # Beside the config in an Orbax checkpoint: the HF layout its experts were read in, written back by
 # a later export (`params.EXPERT_LAYOUTS`).
 _EXPERT_LAYOUT_KEY = "qwen3vl_jax.expert_layout"
+# An Orbax checkpoint of a quantized model records its `quant.QuantSpec` (method, block, modules,
+# scale dtype) beside the config, so it is restored into the same quantized layout.
+_QUANTIZATION_KEY = "qwen3vl_jax.quantization"
+
+
+def _spec_to_json(spec: QuantSpec) -> dict:
+    return {"method": spec.method, "block": list(spec.block), "modules": sorted(spec.modules),
+            "scale_dtype": spec.scale_dtype}
+
+
+def _spec_from_json(raw, root: str) -> QuantSpec | None:
+    if raw is None:
+        return None
+    try:
+        return QuantSpec(raw["method"], tuple(int(b) for b in raw["block"]), frozenset(raw["modules"]),
+                         raw.get("scale_dtype", "float32"))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{root}: {_QUANTIZATION_KEY} = {raw!r} is not a quantization spec: {e}") from e
 # Files of an HF checkpoint directory that are not weights: carried along so a converted directory
 # is self-contained (the processor reads them).
 _SIDE_FILES = (
@@ -452,7 +560,7 @@ def _orbax_lazy_registry():
 
 
 def write_orbax(params, config: Qwen3VLConfig, directory: str | os.PathLike, *,
-                expert_layout: str = "released") -> str:
+                expert_layout: str = "released", quantization: QuantSpec | None = None) -> str:
     """Write `{directory}/orbax/0/{params, config}` one tensor at a time (no atomic rename: see `save_orbax`).
 
     `params`: the nested dict of the canonical layout (`{"language_model": {"layers": {0: ...}}}`).
@@ -480,20 +588,23 @@ def write_orbax(params, config: Qwen3VLConfig, directory: str | os.PathLike, *,
         stored = config.to_hf_dict()
         if config.text.is_moe:
             stored[_EXPERT_LAYOUT_KEY] = expert_layout
+        if quantization is not None:
+            stored[_QUANTIZATION_KEY] = _spec_to_json(quantization)
         manager.save(0, args=ocp.args.Composite(params=params, config=ocp.args.JsonSave(stored)))
         manager.wait_until_finished()
     return root
 
 
 def save_orbax(params_tree, config: Qwen3VLConfig, directory: str | os.PathLike, *,
-               overwrite: bool = False, expert_layout: str = "released") -> str:
+               overwrite: bool = False, expert_layout: str = "released", quantization: QuantSpec | None = None
+               ) -> str:
     """Write `{directory}/orbax/0/{params, config}`: the parameter tree and the config as JSON.
 
     Streamed by `write_orbax` (one tensor on the host at a time), through `atomic_directory`: a
     non-empty `directory` is refused unless `overwrite`.
     """
     with atomic_directory(directory, overwrite=overwrite) as tmp:
-        write_orbax(params_tree, config, tmp, expert_layout=expert_layout)
+        write_orbax(params_tree, config, tmp, expert_layout=expert_layout, quantization=quantization)
     return os.path.join(os.path.abspath(os.fspath(directory)), ORBAX_SUBDIR)
 
 
@@ -533,10 +644,22 @@ def _open_orbax(root: str, params_handler: str):
         raise CheckpointError(f"{root}: no finished Orbax checkpoint")
     raw = dict(manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config)
     layout = raw.pop(_EXPERT_LAYOUT_KEY, "released")
+    raw.pop(_QUANTIZATION_KEY, None)  # (read by `orbax_quantization`)
     if layout not in EXPERT_LAYOUTS:
         manager.close()
         raise CheckpointError(f"{root}: {_EXPERT_LAYOUT_KEY} is {layout!r}, not one of {sorted(EXPERT_LAYOUTS)}")
     return manager, step, Qwen3VLConfig.from_hf_config(raw), layout
+
+
+def orbax_quantization(directory: str | os.PathLike) -> QuantSpec | None:
+    """The `quant.QuantSpec` recorded in a `save_orbax` checkpoint of a quantized model, or None."""
+    import orbax.checkpoint as ocp
+
+    root = os.path.abspath(os.path.join(os.fspath(directory), ORBAX_SUBDIR))
+    manager, step, _, _ = _open_orbax(root, "standard")
+    with manager:
+        raw = dict(manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config)
+    return _spec_from_json(raw.get(_QUANTIZATION_KEY), root)
 
 
 def orbax_expert_layout(directory: str | os.PathLike) -> str:
@@ -600,7 +723,7 @@ def open_orbax_params(directory: str | os.PathLike, expected_for, *, dtype=None
 
         tensors = {}
         for path, (shape, want_dtype) in expected.items():
-            want = np.dtype(dtype or want_dtype)
+            want = np.dtype(want_dtype if keeps_dtype(path, want_dtype) else dtype or want_dtype)
             load = functools.partial(read, path, tuple(shape), want)
             # (the experts carry the layout they were first read in, for a later export)
             tensors[path] = LazyTensor(tuple(shape), want, load, path, transform=EXPERT_LAYOUTS[layout].name
@@ -688,7 +811,8 @@ def write_hf(params: Mapping[str, object], config: Qwen3VLConfig, directory: str
     tensors = export_hf_lazy(params, config, dtype=None if dtype is None else storage_dtype(dtype),
                              expert_layout=expert_layout)
     hf_config = config.to_hf_dict()
-    hf_config["dtype"] = dtype or str(np.dtype(next(iter(tensors.values())).dtype))
+    plain = [t.dtype for t in tensors.values() if not keeps_dtype(t.source, t.dtype) and not t.source.endswith("_scale_inv")]
+    hf_config["dtype"] = dtype or str(np.dtype(plain[0] if plain else np.float32))
     write_safetensors(tensors, os.fspath(directory), max_shard_bytes)
     with open(os.path.join(os.fspath(directory), "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
@@ -713,8 +837,8 @@ def save_hf(params: Mapping[str, object], config: Qwen3VLConfig, directory: str 
 
 def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, expected_for, *, to: str = "orbax",
                        dtype: str = "bfloat16", max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES,
-                       overwrite: bool = False, on_tensor: Callable[[str], None] | None = None
-                       ) -> tuple[Qwen3VLConfig, int, list[str]]:
+                       overwrite: bool = False, on_tensor: Callable[[str], None] | None = None,
+                       quantize: QuantSpec | None = None) -> tuple[Qwen3VLConfig, int, list[str]]:
     """`qwen3vl-jax convert`: an HF or Orbax checkpoint directory to Orbax (`to="orbax"`) or HF
     safetensors (`to="hf"`, shards of at most `max_shard_bytes`), stored in `dtype`.
 
@@ -727,22 +851,44 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, expect
     `expected_for(config)` gives `{our path: (shape, dtype)}` (the canonical per-block layout).
     Everything is written into a temporary directory renamed to `out` at the end
     (`atomic_directory`), side files (tokenizer, processor, generation config) included.
+    Quantized weights: an FP8 checkpoint's weights and scales are written as they are (not cast to
+    `dtype`), so HF FP8 -> HF gives back the same tensors; `quantize` (a `quant.QuantSpec`)
+    quantizes a full-precision checkpoint as it is streamed (to HF only as "fp8": HF's fine-grained
+    format; int8 / int4 to Orbax).
     Returns (config, number of parameters, side files copied).
     """
     if to not in ("orbax", "hf"):
         raise ValueError(f"to must be 'orbax' or 'hf', got {to!r}")
+    if quantize is not None and to == "hf" and quantize.method != "fp8":
+        raise ValueError(f"--quantize {quantize.method} has no HF checkpoint format here: write it --to orbax, "
+                         "or quantize to fp8 (HF's fine-grained FP8)")
     np_dtype = storage_dtype(dtype)
     # Refuse a non-empty target before the (long) conversion, and again when renaming into place.
     with atomic_directory(out, overwrite=overwrite) as tmp, contextlib.ExitStack() as stack:
         if is_orbax_dir(source):
-            config, params = stack.enter_context(open_orbax_params(source, expected_for, dtype=np_dtype))
+            if quantize is not None:
+                raise ValueError("--quantize reads an HF checkpoint; convert the Orbax one to HF first")
+            spec = orbax_quantization(source)
+            if spec is not None and to == "hf" and spec.method != "fp8":
+                raise ValueError(f"{source} holds {spec.method} weights, which have no HF checkpoint format here")
+            expected_source = expected_for if spec is None else functools.partial(expected_for, quantization=spec)
+            config, params = stack.enter_context(open_orbax_params(source, expected_source, dtype=np_dtype))
         else:
             config = Qwen3VLConfig.from_hf_config(source)
-            params = plan_hf_params(source, expected_for(config), config, dtype=np_dtype)
+            spec = checkpoint_quantization(source, config)
+            if spec is not None and quantize is not None:
+                raise ValueError(f"{source} is already an FP8 checkpoint; convert it without --quantize")
+            expected = expected_for(config) if spec is None else expected_for(config, quantization=spec)
+            params = plan_hf_params(source, expected, config, dtype=np_dtype)
+            if quantize is not None:
+                params = quantize_params(params, quantize)
+                spec = quantize
+                if quantize.method == "fp8":
+                    config = config.replace(quantization=fp8_config(quantize))
         layout = expert_layout_of(params) or "released"
         params = _with_callback(params, on_tensor)
         if to == "orbax":
-            write_orbax(nest_paths(params), config, tmp, expert_layout=layout)
+            write_orbax(nest_paths(params), config, tmp, expert_layout=layout, quantization=spec)
         else:
             write_hf(params, config, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes, expert_layout=layout)
         # An HF export writes its own config.json; an Orbax directory keeps the source's beside the

@@ -38,12 +38,14 @@ from pallas_kernels.attention.mask import AttentionMask
 
 from . import pruning as pruning_lib
 from .config import Qwen3VLConfig
-from .convert import is_orbax_dir, orbax_expert_layout, plan_hf_params, restore_orbax, save_hf, save_orbax
+from .convert import (checkpoint_quantization, fp8_config, is_orbax_dir, orbax_expert_layout, orbax_quantization,
+                      plan_hf_params, restore_orbax, save_hf, save_orbax)
 from .generate import GenerationConfig
 from .generate import generate as generate_tokens
-from .layers import Linear, check_layers, use_scan
+from .layers import check_layers, use_scan
 from .mrope import get_rope_index
 from .params import canonical_params, count_params, expert_layout_of, fill_state, flat_paths, nest_paths, param_shapes
+from .quant import QuantSpec, make_linear, quantize_params
 from .sharding import check_mesh, constrain, make_mesh, param_shardings, shard, use_mesh
 from .text import TextModel
 from .vision import VisionMetadata, VisionModel, VisionOutput, validate_vision_inputs, vision_metadata
@@ -129,13 +131,15 @@ class Qwen3VL(nnx.Module):
       remat: recompute each block's activations in the backward pass (training memory).
       moe_implementation: the MoE models' expert matmul, "auto", "ragged" (`lax.ragged_dot`) or
         "tiled" (a loop over expert tiles, the CPU path); see `qwen3vl_jax.moe`.
-    The last four are runtime options, not architecture. A MoE config whose layers mix dense and
+      quantization: a `quant.QuantSpec`: which linears / experts hold quantized weights (FP8, int8,
+        int4) and their block scales; None: all in `param_dtype`.
+    The last five are runtime options, not architecture. A MoE config whose layers mix dense and
     sparse MLPs keeps its decoder layers per block (`scan_layers` True is refused for it).
     """
 
     def __init__(self, config: Qwen3VLConfig, *, dtype=jnp.float32, param_dtype=None,
                  attention_implementation: str = "auto", scan_layers: bool | None = None, remat: bool = False,
-                 moe_implementation: str = "auto", rngs: nnx.Rngs):
+                 moe_implementation: str = "auto", quantization: QuantSpec | None = None, rngs: nnx.Rngs):
         param_dtype = param_dtype or dtype
         self.config = config
         self.dtype = dtype
@@ -147,11 +151,13 @@ class Qwen3VL(nnx.Module):
         text_scan = use_scan(scan_layers, config.text.num_hidden_layers)
         if scan_layers is None and not config.text.uniform_layers:
             text_scan = False  # dense and sparse layers mixed: they cannot share one stacked layout
+        self.quantization = quantization
         self.language_model = TextModel(config.text, scan_layers=text_scan, moe_implementation=moe_implementation,
-                                        **kw)
+                                        quant=quantization, **kw)
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.text.hidden_size, config.text.vocab_size, use_bias=False, dtype=dtype,
-                                  param_dtype=param_dtype, rngs=rngs)
+            self.lm_head = make_linear(config.text.hidden_size, config.text.vocab_size, path="lm_head",
+                                       quant=quantization, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                                       rngs=rngs)
 
     # ------------------------------------------------------------------ construction
 
@@ -164,7 +170,8 @@ class Qwen3VL(nnx.Module):
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
                         attention_implementation: str = "auto", scan_layers: bool | None = None,
                         remat: bool = False, moe_implementation: str = "auto", progress: bool = False,
-                        adapter: str | os.PathLike | None = None, mesh=None, vision: str = "data") -> "Qwen3VL":
+                        adapter: str | os.PathLike | None = None, mesh=None, vision: str = "data",
+                        quantize: str | QuantSpec | None = None) -> "Qwen3VL":
         """Load an HF checkpoint directory (config.json + safetensors) or one written by `save_orbax`.
 
         HF weights are checked from the safetensors headers (every problem reported at once), then
@@ -180,13 +187,21 @@ class Qwen3VL(nnx.Module):
         reads only the slices its devices hold, straight into device shards (HF: memory-mapped
         safetensors slices; Orbax: a sharded restore). `vision`: "data" (the tower replicated, the
         default) or "tensor" (split by its rules). See `qwen3vl_jax.sharding`.
+
+        Quantized weights (`qwen3vl_jax.quant`): an HF FP8 checkpoint (`quantization_config` with
+        `quant_method: "fp8"`) keeps its FP8 weights and block scales on the device, whatever
+        `quantize`; `quantize` ("int8", "int4", "fp8" or a `quant.QuantSpec`) quantizes a
+        full-precision checkpoint as it is read (by default the language model's linears and
+        experts; the vision tower, the mergers and `lm_head` stay in `param_dtype`).
         """
         kwargs = dict(dtype=dtype, param_dtype=param_dtype, attention_implementation=attention_implementation,
                       scan_layers=scan_layers, remat=remat, moe_implementation=moe_implementation)
+        if is_orbax_dir(path) and quantize is not None:
+            raise ValueError("quantize= reads an HF checkpoint; convert the Orbax one to HF first")
         if isinstance(mesh, (str, dict)):  # "data=4,tensor=2" or {"data": 4, "tensor": 2}
             mesh = make_mesh(mesh)
         # 1. resolve: the config, and each parameter's source (in its file until placed)
-        config, params = cls._resolve(path, kwargs, mesh, vision)
+        config, params = cls._resolve(path, kwargs, mesh, vision, quantize)
         expert_layout = (orbax_expert_layout(path) if is_orbax_dir(path) else expert_layout_of(params)) or "released"
         # 2. check: the mesh can split every parameter (the sources were checked in `_resolve`)
         if mesh is not None:
@@ -217,14 +232,25 @@ class Qwen3VL(nnx.Module):
         return model
 
     @classmethod
-    def _resolve(cls, path, kwargs: dict, mesh, vision: str) -> tuple[Qwen3VLConfig, dict[str, object]]:
+    def _resolve(cls, path, kwargs: dict, mesh, vision: str, quantize=None) -> tuple[Qwen3VLConfig, dict[str, object]]:
         """The checkpoint's config and `{canonical path: value}`: `LazyTensor`s checked from the
-        safetensors headers (every problem at once), or Orbax arrays restored (sharded under `mesh`)."""
+        safetensors headers (every problem at once), or Orbax arrays restored (sharded under `mesh`).
+        Sets `kwargs["quantization"]` to the checkpoint's FP8 layout or to `quantize`'s spec."""
         if not is_orbax_dir(path):
             config = Qwen3VLConfig.from_hf_config(path)
+            spec = checkpoint_quantization(path, config)
+            if spec is not None and quantize is not None:
+                raise ValueError(f"{path} is already an FP8 checkpoint; load it without quantize=")
             # Checked from the headers first; then each array is read as it is placed (one tensor,
             # or one device's block of it, on the host at a time).
-            return config, plan_hf_params(path, expected_params(config, **kwargs), config)
+            params = plan_hf_params(path, expected_params(config, **kwargs, quantization=spec), config)
+            if quantize is not None:
+                spec = quantize if isinstance(quantize, QuantSpec) else QuantSpec.make(quantize)
+                params = quantize_params(params, spec)
+            kwargs["quantization"] = spec
+            return config, params
+
+        kwargs["quantization"] = orbax_quantization(path)
 
         def target(config):  # Orbax holds the canonical per-block layout
             abstract = cls.abstract(config, **{**kwargs, "scan_layers": False})
@@ -242,13 +268,20 @@ class Qwen3VL(nnx.Module):
         """Write the parameters (canonical per-block layout) and the config as Orbax under `directory/orbax`
         (each parameter is copied to the host as it is written, one at a time)."""
         return save_orbax(nest_paths(canonical_params(self)), self.config, directory,
-                          expert_layout=self.expert_layout)
+                          expert_layout=self.expert_layout, quantization=self.quantization)
 
     def save_hf(self, directory: str | os.PathLike, *, dtype: str | None = None,
                 max_shard_bytes: int | None = None) -> str:
         """Export HF safetensors + config.json that `Qwen3VLForConditionalGeneration` loads (each
-        parameter is copied to the host as it is written, one at a time)."""
-        return save_hf(canonical_params(self), self.config, directory, dtype=dtype,
+        parameter is copied to the host as it is written, one at a time). Quantized weights: FP8 in
+        HF's fine-grained format (with its `quantization_config`); int8 / int4 have no HF format here."""
+        config = self.config
+        if self.quantization is not None and self.quantization.method != "fp8":
+            raise ValueError(f"{self.quantization.method} weights have no HF checkpoint format here (save_orbax "
+                             "keeps them; FP8 is written in HF's fine-grained format)")
+        if self.quantization is not None and config.quantization is None:
+            config = config.replace(quantization=fp8_config(self.quantization))
+        return save_hf(canonical_params(self), config, directory, dtype=dtype,
                        max_shard_bytes=max_shard_bytes, expert_layout=self.expert_layout)
 
     # ------------------------------------------------------------------ vision

@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 from .config import TextConfig
 from .layers import Linear
 from .params import EXPERT, FSDP
+from .quant import QTensor, QuantSpec, qdot, scale_shape, storage_dtype, storage_shape
 from .sharding import BATCH
 
 __all__ = ["MOE_IMPLEMENTATIONS", "Routing", "route", "expert_ffn", "expert_parallel", "tile_rows", "MoEBlock",
@@ -75,11 +76,16 @@ def route(logits: jax.Array, k: int) -> Routing:
 
 
 def _swiglu(x, gate_up, down):
-    """One expert's (or a batch of rows') SwiGLU: `x [R, H]`, `gate_up [H, 2I]`, `down [I, H]`."""
-    h = jnp.dot(x, gate_up.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    """One expert's (or a batch of rows') SwiGLU: `x [R, H]`, `gate_up [H, 2I]`, `down [I, H]` (arrays,
+    or `quant.QTensor`s multiplied tile by tile)."""
+    h = qdot(x, gate_up)
     gate, up = jnp.split(h, 2, axis=-1)
-    return jnp.dot(jax.nn.silu(gate) * up, down.astype(x.dtype),
-                   preferred_element_type=jnp.float32).astype(x.dtype)
+    return qdot(jax.nn.silu(gate) * up, down)
+
+
+def _dense(weight, dtype):
+    """A weight as an array in `dtype` (a `QTensor` dequantized whole: the `ragged_dot` spec path)."""
+    return weight.dequantize(dtype) if isinstance(weight, QTensor) else weight.astype(dtype)
 
 
 def tile_rows(rows: int, experts: int) -> int:
@@ -110,9 +116,9 @@ def _ragged_ffn(x, experts, gate_up, down, local):
     key, _, sizes = _group_keys(experts, local)
     order = jnp.argsort(key, stable=True)
     sizes = sizes.astype(jnp.int32)
-    h = lax.ragged_dot(x[order], gate_up.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
+    h = lax.ragged_dot(x[order], _dense(gate_up, x.dtype), sizes, preferred_element_type=jnp.float32)
     gate, up = jnp.split(h.astype(x.dtype), 2, axis=-1)
-    y = lax.ragged_dot(jax.nn.silu(gate) * up, down.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
+    y = lax.ragged_dot(jax.nn.silu(gate) * up, _dense(down, x.dtype), sizes, preferred_element_type=jnp.float32)
     return jnp.zeros_like(x).at[order].set(y.astype(x.dtype))
 
 
@@ -203,12 +209,15 @@ def expert_parallel(x, routing: Routing, gate_up, down, *, implementation: str =
 class MoEBlock(nnx.Module):
     """Router + routed experts, in place of a decoder layer's dense MLP."""
 
-    def __init__(self, config: TextConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: TextConfig, *, dtype, param_dtype, rngs: nnx.Rngs, quant: QuantSpec | None = None):
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.top_k = config.num_experts_per_tok
         self.dtype = dtype
         self.gate = Linear(h, e, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.experts = Experts(e, h, i, param_dtype=param_dtype, rngs=rngs)
+        if quant is not None and quant.covers("language_model.layers.*.mlp.experts"):
+            self.experts = QuantExperts(e, h, i, spec=quant)
+        else:
+            self.experts = Experts(e, h, i, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x, *, implementation: str = "auto"):
         """`x [B, L, H]` -> `(out [B, L, H], router logits [B*L, E])`."""
@@ -216,8 +225,9 @@ class MoEBlock(nnx.Module):
         flat = x.reshape(b * length, h)
         routing = route(self.gate(flat), self.top_k)
         run = expert_parallel if _expert_axis_size() > 1 else expert_ffn
-        out = run(flat, routing, self.experts.gate_up_proj[...], self.experts.down_proj[...],
-                  implementation=implementation)
+        if run is expert_parallel and isinstance(self.experts, QuantExperts):
+            raise NotImplementedError("quantized experts under an `expert` mesh axis are not supported yet")
+        out = run(flat, routing, *self.experts.weights(), implementation=implementation)
         return out.reshape(b, length, h), routing.logits
 
 
@@ -228,6 +238,30 @@ class Experts(nnx.Module):
         init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
         self.gate_up_proj = nnx.Param(init(rngs.params(), (experts, hidden, 2 * width), param_dtype))
         self.down_proj = nnx.Param(init(rngs.params(), (experts, width, hidden), param_dtype))
+
+    def weights(self):
+        return self.gate_up_proj[...], self.down_proj[...]
+
+
+class QuantExperts(nnx.Module):
+    """Quantized expert weights (`quant.QuantSpec`): `gate_up_proj` / `down_proj` in the storage dtype
+    with their scale grids `gate_up_proj_scale` / `down_proj_scale` (`[E, ...]` each), multiplied tile
+    by tile inside each expert tile (`_swiglu`)."""
+
+    def __init__(self, experts: int, hidden: int, width: int, *, spec: QuantSpec):
+        self.method = spec.method
+        self.blocks = (spec.block_for(hidden), spec.block_for(width))
+        self.rows = (hidden, width)
+        for name, (rows, cols), block in (("gate_up_proj", (hidden, 2 * width), self.blocks[0]),
+                                          ("down_proj", (width, hidden), self.blocks[1])):
+            setattr(self, name, nnx.Param(jnp.zeros((experts,) + storage_shape(spec.method, rows, cols),
+                                                    storage_dtype(spec.method))))
+            setattr(self, name + "_scale", nnx.Param(jnp.ones((experts,) + scale_shape(block, rows, cols),
+                                                              spec.np_scale_dtype)))
+
+    def weights(self):
+        return (QTensor(self.gate_up_proj[...], self.gate_up_proj_scale[...], self.method, self.blocks[0], self.rows[0]),
+                QTensor(self.down_proj[...], self.down_proj_scale[...], self.method, self.blocks[1], self.rows[1]))
 
 
 def load_balancing_loss(router_logits, k: int, mask=None) -> jax.Array:

@@ -35,7 +35,7 @@ from .config import Qwen3VLConfig
 __all__ = [
     "CheckpointError", "Transform", "IDENTITY", "LINEAR", "CONV3D_AS_LINEAR", "EXPERTS_RELEASED", "EXPERTS_MODULE",
     "EXPERT_LAYOUTS", "FSDP", "TENSOR", "EXPERT", "COLUMNS", "ROWS", "REPLICATED", "Rule", "RULES", "hf_to_ours_name",
-    "hf_rule", "ours_to_hf_name", "expert_layout_of", "rule_for", "partition_spec",
+    "hf_rule", "ours_to_hf_name", "expert_layout_of", "rule_for", "partition_spec", "QUANTIZED_DTYPES", "keeps_dtype",
     "LazyTensor", "as_lazy", "STACKS", "dotted", "flat_paths", "nest_paths", "flatten_paths", "stacked_prefix",
     "stacked_stacks", "canonical_params", "param_shapes", "count_params", "place", "fill_state",
 ]
@@ -167,7 +167,29 @@ RULES: tuple[Rule, ...] = (
     Rule("model.language_model.{x}", "language_model.{x}", EXPERTS_RELEASED, x=_LAYER + r"mlp\.experts\.down_proj",
          spec=(EXPERT, None, FSDP), layouts=(EXPERTS_MODULE,)),
     Rule("lm_head.weight", "lm_head.kernel", LINEAR, spec=COLUMNS),
+    # Quantized weights (`quant.py`): the weight is the row above in a narrow dtype (FP8, int8, packed
+    # int4), its block scales this row: HF's `weight_scale_inv [ceil(out/B), ceil(in/B)]`
+    # transposed like the weight; experts' `{gate_up,down}_proj_scale_inv` in the experts' layouts.
+    Rule("model.language_model.{x}.weight_scale_inv", "language_model.{x}.kernel_scale", LINEAR,
+         x=_LAYER + r"(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)"),
+    Rule("model.language_model.{x}_scale_inv", "language_model.{x}_scale", EXPERTS_RELEASED,
+         x=_LAYER + r"mlp\.experts\.(?:gate_up|down)_proj", layouts=(EXPERTS_MODULE,)),
+    Rule("lm_head.weight_scale_inv", "lm_head.kernel_scale", LINEAR),
 )
+
+# The storage dtypes of quantized weights (`quant.py`): FP8 e4m3, int8 (and int4 packed in int8).
+QUANTIZED_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(np.int8))
+
+
+def keeps_dtype(path: str, dtype) -> bool:
+    """Whether parameter `path` of `dtype` keeps its dtype when a checkpoint is cast to a storage dtype:
+    a quantized weight and its scales (the rows that hold them) are stored as they are."""
+    if np.dtype(dtype) in QUANTIZED_DTYPES:
+        return True
+    try:
+        return rule_for(path)[1].hf.endswith("_scale_inv")
+    except KeyError:
+        return False
 
 
 def hf_to_ours_name(name: str) -> tuple[str, Transform] | None:

@@ -77,6 +77,8 @@ from pallas_kernels.attention.reference import ATTENTION_BLOCK, balanced_block
 from .config import Qwen3VLConfig, preset as preset_config
 from .generate import prefill
 from .model import MultimodalInputs, Qwen3VL, expected_params
+from .params import keeps_dtype
+from .quant import QuantSpec
 from .sharding import AXES, BATCH, ShardingError, check_mesh, make_mesh, param_shardings, param_spec, parse_mesh
 from .training.lora import LoRAKey
 from .training.optim import OptimConfig, build_optimizer, param_path
@@ -154,9 +156,17 @@ def _config(config_or_preset) -> tuple[Qwen3VLConfig, str]:
 
 
 @functools.lru_cache(maxsize=16)
-def _param_shapes(config: Qwen3VLConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """Canonical `(path, shape)` of every parameter (abstract; no memory is allocated)."""
-    return tuple((path, shape) for path, (shape, _) in expected_params(config, scan_layers=True).items())
+def _param_shapes(config: Qwen3VLConfig, quantize: str | None = None
+                  ) -> tuple[tuple[str, tuple[int, ...], int | None], ...]:
+    """Canonical `(path, shape, bytes per element)` of every parameter (abstract; no memory is
+    allocated); the element size is that of a quantized weight or its scales (`quantize`), None
+    for a parameter stored in `param_dtype`."""
+    spec = None
+    if quantize is not None:  # an FP8 checkpoint's own block size, else the default 128 x 128
+        block = config.quantization.weight_block_size if config.quantization is not None else (128, 128)
+        spec = QuantSpec.make(quantize, block=block)
+    return tuple((path, shape, np.dtype(dtype).itemsize if keeps_dtype(path, dtype) else None)
+                 for path, (shape, dtype) in expected_params(config, scan_layers=True, quantization=spec).items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +204,7 @@ class Plan:
     input_bytes: int  # the step's batch inputs (tokens, positions, ...), per device
     device_memory: int | None = None
     param_rows: tuple[ParamRow, ...] = dataclasses.field(default=(), repr=False)
+    quantize: str | None = None  # the language model's linears and experts stored quantized
 
     @property
     def devices(self) -> int:
@@ -240,7 +251,9 @@ class Plan:
             f"inference: prefill of {self.batch} x {self.context} tokens into the KV cache"
         devices = f"{self.devices} device" + ("s" if self.devices > 1 else "")
         lines = [f"{self.name}: {self.parameters:,} parameters; mesh {self.mesh_spec} ({devices}); {what}",
-                 f"compute {self.dtype}, parameters {self.param_dtype}; vision tower "
+                 f"compute {self.dtype}, parameters {self.param_dtype}"
+                 + (f" (language-model linears and experts {self.quantize})" if self.quantize else "")
+                 + "; vision tower "
                  + ("replicated" if self.vision == "data" else "tensor-parallel"), "",
                  f"{'per device':<34}{'GiB':>10}"]
         for label, value in self.rows():
@@ -275,7 +288,8 @@ def _split(spec, sizes: Mapping[str, int]) -> int:
 
 def plan(config_or_preset, mesh_spec="", batch: int = 1, context: int = 4096, train: bool = False, *,
          dtype: str = "bfloat16", param_dtype: str | None = None, remat: bool = False, vision: str = "data",
-         devices: int | None = None, device_memory=None, chunk_size: int = LOSS_CHUNK) -> Plan:
+         devices: int | None = None, device_memory=None, chunk_size: int = LOSS_CHUNK,
+         quantize: str | None = None) -> Plan:
     """The per-device memory of `config_or_preset` (a `Qwen3VLConfig`, a preset name, or an HF
     `config.json` / checkpoint directory) on the mesh `mesh_spec` (`"data=2,tensor=4"`).
 
@@ -287,6 +301,10 @@ def plan(config_or_preset, mesh_spec="", batch: int = 1, context: int = 4096, tr
     vision: "data" (the tower replicated, the default) or "tensor" (`sharding`'s two modes).
     devices: if given, the mesh must use exactly this many devices (and may contain one -1).
     device_memory: bytes or a size like "80GB" to compare the total against.
+    quantize: "fp8", "int8" or "int4": the language model's linears and experts stored quantized
+      (`qwen3vl_jax.quant`; fp8 in 128 x 128 blocks with float32 scales, int4 in groups of 128;
+      the embeddings, norms, vision tower and `lm_head` in `param_dtype`); inference only. An FP8
+      checkpoint's config (`quantization_config`) plans as "fp8" unless `quantize` says otherwise.
     Raises `ShardingError` (a `ValueError`) naming the parameter and axis for a mesh that cannot
     split the model, and `ValueError` for other bad arguments.
     """
@@ -297,6 +315,10 @@ def plan(config_or_preset, mesh_spec="", batch: int = 1, context: int = 4096, tr
     if context > config.text.max_position_embeddings:
         raise ValueError(f"context {context} is past the model's context ({config.text.max_position_embeddings} "
                          "positions, max_position_embeddings)")
+    if quantize is None and config.quantization is not None and not train:
+        quantize = "fp8"  # an FP8 checkpoint keeps its weights in FP8 (`from_pretrained`)
+    if quantize is not None and train:
+        raise ValueError("quantize plans inference only (a full fine-tuning step; QLoRA's adapters are small)")
     param_dtype = param_dtype or ("float32" if train else dtype)
     for label, value in (("dtype", dtype), ("param_dtype", param_dtype)):
         if value not in DTYPES:
@@ -307,11 +329,11 @@ def plan(config_or_preset, mesh_spec="", batch: int = 1, context: int = 4096, tr
     check_mesh(config, mesh, vision=vision)
 
     rows = []
-    for path, shape in _param_shapes(config):
+    for path, shape, itemsize in _param_shapes(config, quantize):
         spec = tuple(param_spec(path, shape, mesh, vision=vision))
         split = _split(spec, sizes)
-        rows.append(ParamRow(path, shape, spec, split, math.prod(shape) // split * p))
-    count = sum(math.prod(r.shape) for r in rows)
+        rows.append(ParamRow(path, shape, spec, split, math.prod(shape) // split * (itemsize or p)))
+    count = sum(math.prod(shape) for _, shape, _ in _param_shapes(config))  # (the model's, unquantized)
     params_bytes = sum(r.bytes_per_device for r in rows)
 
     text = config.text
@@ -370,7 +392,7 @@ def plan(config_or_preset, mesh_spec="", batch: int = 1, context: int = 4096, tr
         params_bytes=params_bytes, optimizer_bytes=optimizer, gradient_bytes=gradients,
         kv_cache_bytes=kv_cache, activation_bytes=sum(terms.values()) - overlap, activation_terms=terms,
         input_bytes=inputs, device_memory=None if device_memory is None else parse_bytes(device_memory),
-        param_rows=tuple(rows))
+        param_rows=tuple(rows), quantize=quantize)
 
 
 def _divisors(n: int) -> list[int]:
@@ -424,8 +446,11 @@ def check(p: Plan, *, context: int | None = None, dtype: str | None = None,
     copies of operands), the attention runs its XLA spec (the GPU runs the Pallas kernels under
     `shard_map`), and GSPMD makes the same partitioning decisions. Loop-invariant code motion is
     disabled so XLA does not hoist the float32 conversion of the whole stacked weights out of the
-    layer loop (a CPU-only artefact: the GPU multiplies bfloat16 directly).
+    layer loop (a CPU-only artefact: the GPU multiplies bfloat16 directly). A quantized plan is not
+    compiled (ValueError).
     """
+    if p.quantize is not None:
+        raise ValueError("plan --check compiles full-precision steps only; drop --quantize")
     asked = (("context", context), ("dtype", dtype))
     changes = {k: v for k, v in asked if v is not None and v != getattr(p, k)}
     if "dtype" in changes and not p.train and p.param_dtype == p.dtype:

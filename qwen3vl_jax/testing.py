@@ -403,3 +403,59 @@ def make_tiny_dataset(directory: str | os.PathLike, *, num_rows: int = 12, seed:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     return path
+
+
+__all__ += ["make_fp8_checkpoint"]
+
+# The modules HF's FP8 releases keep in high precision besides the embeddings and norms.
+FP8_NOT_CONVERTED = ["lm_head", "model.visual"]
+
+
+def make_fp8_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, block: tuple[int, int] = (128, 128),
+                        scale_dtype: str = "float32", dequantized: bool = False,
+                        modules_to_not_convert: list[str] | None = None) -> str:
+    """An HF fine-grained FP8 checkpoint (the layout of Qwen's FP8 releases) made from the
+    full-precision checkpoint `source`: every language-model linear weight `[out, in]` quantized to
+    `float8_e4m3fn` in blocks of `block = [out, in]` (HF's `weight_block_size`; partial edge blocks
+    where the widths are not multiples), with its `weight_scale_inv [ceil(out/B0), ceil(in/B1)]`
+    (float32 or bfloat16, "multiply to dequantize"); every other tensor as it is, and
+    `quantization_config` in config.json. `dequantized`: write instead the full-precision
+    checkpoint of the dequantized weights (float32; what HF computes from the FP8 one), no
+    `quantization_config`."""
+    import re
+
+    import ml_dtypes
+
+    from .convert import copy_side_files, iter_hf_tensors, write_safetensors
+    from .quant import dequantize, quantize
+
+    out = os.fspath(out)
+    os.makedirs(out, exist_ok=True)
+    pattern = re.compile(r"model\.language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
+                         r"\.weight")
+    tensors = {}
+    for _, name, value in iter_hf_tensors(source):
+        if not pattern.fullmatch(name):
+            tensors[name] = value
+            continue
+        ours_block = (int(block[1]), int(block[0]))  # [out, in] -> our [in, out] orientation
+        kernel, scale = quantize(np.asarray(value, np.float32).T, "fp8", ours_block)
+        if scale_dtype == "bfloat16":
+            scale = scale.astype(ml_dtypes.bfloat16)
+        if dequantized:
+            tensors[name] = np.ascontiguousarray(dequantize(kernel, scale, "fp8", ours_block).T)
+        else:
+            tensors[name] = np.ascontiguousarray(kernel.T)
+            tensors[name + "_scale_inv"] = np.ascontiguousarray(scale.T)
+    write_safetensors(tensors, out)
+    copy_side_files(source, out, skip=("config.json",))
+    with open(os.path.join(os.fspath(source), "config.json")) as f:
+        config = json.load(f)
+    if not dequantized:
+        config["quantization_config"] = {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [int(block[0]), int(block[1])],
+            "modules_to_not_convert": modules_to_not_convert if modules_to_not_convert is not None
+            else FP8_NOT_CONVERTED}
+    _write_json(out, "config.json", config)
+    return out

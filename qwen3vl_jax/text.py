@@ -29,8 +29,9 @@ from pallas_kernels.attention import api as attention_api
 from pallas_kernels.attention.mask import AttentionMask
 
 from .config import TextConfig
-from .layers import Linear, RMSNorm, apply_rotary, check_layers, make_stack, run_stack, segment_edges
+from .layers import RMSNorm, apply_rotary, check_layers, make_stack, run_stack, segment_edges
 from .moe import MoEBlock
+from .quant import QuantSpec, make_linear
 from .pruning.llm import LLMPruning, compaction, gather_rows
 from .pruning.registry import get_method
 from .sharding import constrain
@@ -108,15 +109,18 @@ jax.tree_util.register_dataclass(TextOutput, data_fields=["hidden", "cache", "hi
                                  meta_fields=[])
 
 
+_LAYER = "language_model.layers.*."  # the kind of a decoder layer's module (`quant.module_kind`)
+
+
 class TextAttention(nnx.Module):
-    def __init__(self, config: TextConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: TextConfig, *, dtype, param_dtype, rngs: nnx.Rngs, quant: QuantSpec | None = None):
         self.config = config
         e, h, g, d = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        kw = dict(use_bias=config.attention_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.q_proj = Linear(e, h * d, **kw)
-        self.k_proj = Linear(e, g * d, **kw)
-        self.v_proj = Linear(e, g * d, **kw)
-        self.o_proj = Linear(h * d, e, **kw)
+        kw = dict(use_bias=config.attention_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)
+        self.q_proj = make_linear(e, h * d, path=_LAYER + "self_attn.q_proj", **kw)
+        self.k_proj = make_linear(e, g * d, path=_LAYER + "self_attn.k_proj", **kw)
+        self.v_proj = make_linear(e, g * d, path=_LAYER + "self_attn.v_proj", **kw)
+        self.o_proj = make_linear(h * d, e, path=_LAYER + "self_attn.o_proj", **kw)
         self.q_norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
 
@@ -154,11 +158,12 @@ class TextAttention(nnx.Module):
 
 
 class TextMLP(nnx.Module):
-    def __init__(self, config: TextConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-        kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, **kw)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size, **kw)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, **kw)
+    def __init__(self, config: TextConfig, *, dtype, param_dtype, rngs: nnx.Rngs, quant: QuantSpec | None = None):
+        kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)
+        self.gate_proj = make_linear(config.hidden_size, config.intermediate_size, path=_LAYER + "mlp.gate_proj", **kw)
+        self.up_proj = make_linear(config.hidden_size, config.intermediate_size, path=_LAYER + "mlp.up_proj", **kw)
+        self.down_proj = make_linear(config.intermediate_size, config.hidden_size, path=_LAYER + "mlp.down_proj",
+                                     **kw)
 
     def __call__(self, x):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -168,15 +173,15 @@ class DecoderLayer(nnx.Module):
     """One decoder layer; `sparse`: routed experts (`moe.MoEBlock`) in place of the dense MLP."""
 
     def __init__(self, config: TextConfig, *, sparse: bool = False, moe_implementation: str = "auto", dtype,
-                 param_dtype, rngs: nnx.Rngs):
+                 param_dtype, rngs: nnx.Rngs, quant: QuantSpec | None = None):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
-        self.self_attn = TextAttention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.self_attn = TextAttention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
                                                 param_dtype=param_dtype)
         self.sparse = sparse
         self.moe_implementation = moe_implementation
         block = MoEBlock if sparse else TextMLP
-        self.mlp = block(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.mlp = block(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)
 
     def __call__(self, x, cos, sin, mask: AttentionMask, cache=None, index=0, *, implementation: str = "xla",
                  return_weights: bool = False, weight_rows=None):
@@ -221,18 +226,20 @@ class TextModel(nnx.Module):
     after decoder layer k for k < K. `scan_layers` stacks the layers' parameters and runs them under
     `lax.scan` (all layers must then be of one kind: all dense or all sparse); `remat` recomputes
     each layer in the backward pass. `moe_implementation`: the experts' grouped matmul
-    (`moe.MOE_IMPLEMENTATIONS`).
+    (`moe.MOE_IMPLEMENTATIONS`). `quant`: which linears / experts hold quantized weights
+    (`quant.QuantSpec`; the same kinds in every layer, so the layers still stack).
     """
 
     def __init__(self, config: TextConfig, *, dtype=jnp.float32, param_dtype=None, scan_layers: bool = False,
-                 remat: bool = False, moe_implementation: str = "auto", rngs: nnx.Rngs):
+                 remat: bool = False, moe_implementation: str = "auto", rngs: nnx.Rngs,
+                 quant: QuantSpec | None = None):
         param_dtype = param_dtype or dtype
         self.config = config
         self.scan_layers = scan_layers
         self.remat = remat
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                                       param_dtype=param_dtype, rngs=rngs)
-        kw = dict(moe_implementation=moe_implementation, dtype=dtype, param_dtype=param_dtype)
+        kw = dict(moe_implementation=moe_implementation, dtype=dtype, param_dtype=param_dtype, quant=quant)
         if scan_layers:
             if not config.uniform_layers:
                 raise ValueError(

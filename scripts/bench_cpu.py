@@ -15,6 +15,13 @@ in on-device chunks (`generate.DECODE_CHUNK` tokens per host synchronization) an
 one token per device call (`decode_chunk=1`, the per-token host loop). Prints median wall times of
 both sides and the ratio HF / ours (above 1 means we are faster). Writes nothing.
 
+`--quantize int8 int4 fp8`: instead, weight-only quantized decoding (`qwen3vl_jax.quant`: the
+language model's linears quantized, the embeddings / tied LM head, norms and vision tower in f32)
+against the same model with f32 and with bf16 weights, in the same run: greedy decode tokens/s on
+a text prompt (medians of `--repeats`), the ratio to f32, the weight bytes read per token,
+and the logit error against f32 (max |diff| / max |logit| over the prompt) with the share of
+generated greedy ids equal to f32's. No HF model is run for this part.
+
 `--moe`: the 30B-A3B widths instead (hidden 2048, 128 experts of width 768, top 8; HF's
 `Qwen3VLMoeForConditionalGeneration` beside ours); the decode bandwidth fraction then counts the
 weights a token actually reads: the attention, the router and its 8 active experts per layer.
@@ -48,6 +55,8 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--moe", action="store_true", help="the 30B-A3B widths (routed experts) instead of 2B")
+    parser.add_argument("--quantize", nargs="+", choices=("int8", "int4", "fp8"), default=None,
+                        help="benchmark quantized decoding against f32 and bf16 instead")
     args = parser.parse_args(argv)
 
     import jax
@@ -70,6 +79,9 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         hf = hf_class(config.to_hf_config()).eval()
         hf.save_pretrained(tmp)
+        if args.quantize:
+            bench_quantized(tmp, config, args)
+            return
         ours = Qwen3VL.from_pretrained(tmp)
 
     limits = machine_limits(args.repeats)
@@ -208,6 +220,42 @@ def bench_generate(hf, ours, config, args, limits: dict) -> None:
               f"{hf_first / ours_first:>7.2f}{hf_rate:>10.1f}{ours_rate:>12.1f}{ours_rate / hf_rate:>7.2f}"
               f"{ours_rate * weight_bytes / bandwidth:>7.0%}{per_token_rate:>15.1f}"
               f"{per_token_rate * weight_bytes / bandwidth:>7.0%}{str(same):>10}")
+
+
+def bench_quantized(directory, config, args) -> None:
+    """Decode tokens/s of f32, bf16 and each `--quantize` method, one model at a time, same run."""
+    import jax.numpy as jnp
+
+    from qwen3vl_jax import Qwen3VL
+
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 1000, (1, 32))
+    n = args.new_tokens
+    variants = [("f32", dict()), ("bf16", dict(dtype=jnp.bfloat16))]
+    variants += [(m, dict(quantize=m)) for m in args.quantize]
+    rows, reference = [], None
+    for name, options in variants:
+        model = Qwen3VL.from_pretrained(directory, **options)
+        logits = np.asarray(model(prompt), np.float32)
+        ids = model.generate(prompt, max_new_tokens=n, eos_token_id=[])
+
+        def run(k, model=model):
+            return model.generate(prompt, max_new_tokens=k, eos_token_id=[])
+
+        first = _median_seconds(lambda: run(1), args.repeats)
+        total = _median_seconds(lambda: run(n), args.repeats)
+        rate = (n - 1) / (total - first)
+        if reference is None:
+            reference = (logits, ids)
+        error = np.abs(logits - reference[0]).max() / np.abs(reference[0]).max()
+        new = slice(prompt.shape[1], None)  # the generated tokens only
+        same = float(np.mean(np.asarray(ids)[:, new] == np.asarray(reference[1])[:, new]))
+        rows.append((name, decode_weight_bytes(model), rate, error, same))
+    print(f"\nquantized decode ({config.text.num_hidden_layers} decoder layers of the 2B widths; text prompt "
+          f"{prompt.shape[1]} tokens, {n} new tokens; medians of {args.repeats})")
+    print(f"{'weights':<8}{'decode GiB/tok':>15}{'tok/s':>8}{'vs f32':>8}{'logit err':>11}{'new ids as f32':>16}")
+    for name, nbytes, rate, error, same in rows:
+        print(f"{name:<8}{nbytes / 2**30:>15.3f}{rate:>8.2f}{rate / rows[0][2]:>8.2f}{error:>11.2e}{same:>16.0%}")
 
 
 if __name__ == "__main__":

@@ -43,10 +43,12 @@ from flax import nnx
 from ..checks import fraction, positive_int, positive_number
 from ..convert import save_hf, save_orbax
 from ..model import register_adapter_loader
+from ..quant import QuantLinear
 from ..params import (STACKS, CheckpointError, canonical_params, fill_state, hf_to_ours_name, nest_paths,
                       ours_to_hf_name, param_shapes)
 
-__all__ = ["LoRAConfig", "LoRALinear", "LoRAWeight", "LoRAKey", "LANGUAGE_TARGETS", "VISION_TARGETS",
+__all__ = ["LoRAConfig", "LoRALinear", "QuantLoRALinear", "LoRAWeight", "LoRAKey", "LANGUAGE_TARGETS",
+           "VISION_TARGETS",
            "add_lora", "lora_modules", "save_adapter", "load_adapter", "merged_params", "export_merged",
            "set_lora_training"]
 
@@ -92,16 +94,17 @@ class LoRAConfig:
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
 
-class LoRALinear(nnx.Linear):
-    """An `nnx.Linear` (same variables, same names) plus a low-rank update."""
+class _LoRA:
+    """The low-rank update shared by `LoRALinear` and `QuantLoRALinear` (a mixin: no variables of
+    its own until `_add_factors`)."""
 
-    def __init__(self, base: nnx.Linear, rank: int, scale: float, dropout: float, *, rngs: nnx.Rngs):
+    def _share(self, base) -> None:
         for key, value in vars(base).items():  # share the base layer's variables and settings
             if not key.startswith("_"):
                 setattr(self, key, value)
-        stack = base.kernel.shape[:-2]  # the layer axis of a stacked (scanned) tower
-        fan_in, fan_out = base.kernel.shape[-2:]
-        dtype = base.kernel.dtype
+
+    def _add_factors(self, stack: tuple, fan_in: int, fan_out: int, dtype, rank: int, scale: float,
+                     dropout: float, rngs: nnx.Rngs) -> None:
         # PEFT's init: A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0.
         bound = 1.0 / math.sqrt(fan_in)
         self.lora_a = LoRAWeight(
@@ -113,8 +116,7 @@ class LoRALinear(nnx.Linear):
         if dropout > 0:
             self.lora_key = LoRAKey(jnp.zeros((*stack, 2), jnp.uint32))
 
-    def __call__(self, inputs, out_sharding=None):
-        y = super().__call__(inputs, out_sharding)
+    def _with_update(self, inputs, y):
         x = inputs
         if self.lora_training and self.lora_dropout > 0:
             key = jax.random.wrap_key_data(self.lora_key[...])
@@ -126,11 +128,38 @@ class LoRALinear(nnx.Linear):
         return y + (delta * self.lora_scale).astype(y.dtype)
 
 
+class LoRALinear(_LoRA, nnx.Linear):
+    """An `nnx.Linear` (same variables, same names) plus a low-rank update."""
+
+    def __init__(self, base: nnx.Linear, rank: int, scale: float, dropout: float, *, rngs: nnx.Rngs):
+        self._share(base)
+        stack = base.kernel.shape[:-2]  # the layer axis of a stacked (scanned) tower
+        fan_in, fan_out = base.kernel.shape[-2:]
+        self._add_factors(stack, fan_in, fan_out, base.kernel.dtype, rank, scale, dropout, rngs)
+
+    def __call__(self, inputs, out_sharding=None):
+        return self._with_update(inputs, super().__call__(inputs, out_sharding))
+
+
+class QuantLoRALinear(_LoRA, QuantLinear):
+    """QLoRA: a `quant.QuantLinear` (its quantized kernel and scales frozen, same names) plus a
+    low-rank update in float32 (the adapters train; the base is never differentiated)."""
+
+    def __init__(self, base: QuantLinear, rank: int, scale: float, dropout: float, *, rngs: nnx.Rngs):
+        self._share(base)
+        stack = base.kernel.shape[:-2]
+        self._add_factors(stack, base.in_features, base.out_features, jnp.float32, rank, scale, dropout, rngs)
+
+    def __call__(self, inputs):
+        return self._with_update(inputs, super().__call__(inputs))
+
+
 def _linear_modules(model) -> dict[str, tuple[object, str, nnx.Linear]]:
-    """`{our module path: (parent, attribute, module)}` for every `nnx.Linear` in the model."""
+    """`{our module path: (parent, attribute, module)}` for every `nnx.Linear` (or quantized
+    `quant.QuantLinear`) in the model."""
     out = {}
     for path, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.Linear) and path:
+        if isinstance(node, (nnx.Linear, QuantLinear)) and path:
             parent = model
             for key in path[:-1]:
                 parent = parent[key] if isinstance(key, int) else getattr(parent, key)
@@ -150,8 +179,8 @@ def _matches(hf_name: str, target: str) -> bool:
 
 
 def lora_modules(model) -> dict[str, LoRALinear]:
-    """`{our module path: LoRALinear}` of the adapters in `model`."""
-    return {p: m for p, (_, _, m) in _linear_modules(model).items() if isinstance(m, LoRALinear)}
+    """`{our module path: LoRALinear or QuantLoRALinear}` of the adapters in `model`."""
+    return {p: m for p, (_, _, m) in _linear_modules(model).items() if isinstance(m, _LoRA)}
 
 
 def add_lora(model, config: LoRAConfig, *, seed: int = 0, modules: list[str] | None = None) -> list[str]:
@@ -181,9 +210,10 @@ def add_lora(model, config: LoRAConfig, *, seed: int = 0, modules: list[str] | N
         if path not in linears:
             raise ValueError(f"no linear layer {path!r} in the model")
         parent, attr, linear = linears[path]
-        if isinstance(linear, LoRALinear):
+        if isinstance(linear, _LoRA):
             raise ValueError(f"{path} already has a LoRA adapter")
-        wrapped = LoRALinear(linear, config.rank, config.scale, config.dropout, rngs=rngs)
+        kind = QuantLoRALinear if isinstance(linear, QuantLinear) else LoRALinear
+        wrapped = kind(linear, config.rank, config.scale, config.dropout, rngs=rngs)
         if isinstance(attr, int):
             parent[attr] = wrapped
         else:
@@ -372,7 +402,11 @@ def _strip_index(block: str) -> tuple[str, str]:
 
 
 def merged_params(model) -> dict[str, np.ndarray]:
-    """`canonical_params(model)` with every adapter folded into its kernel (`W + scale * A B`)."""
+    """`canonical_params(model)` with every adapter folded into its kernel (`W + scale * A B`).
+    Refused over a quantized base (QLoRA): its adapters load on the full-precision base instead."""
+    if any(isinstance(m, QuantLinear) for m in lora_modules(model).values()):
+        raise ValueError("the adapters sit on quantized weights (QLoRA): merging would requantize them; "
+                         "load the adapter on the full-precision base (from_pretrained(base, adapter=...))")
     params = {k: np.asarray(v) for k, v in canonical_params(model).items()}
     lora = canonical_params(nnx.state(model, LoRAWeight))
     scales = {p: m.lora_scale for p, m in lora_modules(model).items()}

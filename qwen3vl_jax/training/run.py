@@ -372,14 +372,17 @@ def finetune(*, model: str, data: str, out: str, lora_rank: int = 0, lora_alpha:
              warmup_steps: int = 0, steps: int = 100, batch_size: int = 1, grad_accum: int = 1,
              max_length: int = 2048, remat: bool = False, dtype: str = "float32", resume: bool = False,
              seed: int = 0, save_every: int = 50, keep: int = 3, strict: bool = False,
-             export_merged: str | None = None, progress: bool = True, allow_change: str = "") -> dict:
+             export_merged: str | None = None, progress: bool = True, allow_change: str = "",
+             quantize: str | None = None) -> dict:
     """The `qwen3vl-jax finetune` run (see `qwen3vl_jax/cli.py`); returns a summary.
 
     Writes `out/checkpoints/`, `out/metrics.jsonl`, `out/loss.png` and, for LoRA runs, `out/adapter/`
     (PEFT's format); `export_merged` writes a plain HF checkpoint (adapters merged). Raises ValueError
     naming the problem for bad input (an unknown `freeze` part, a malformed JSONL line, ...): every
     argument is checked before the model is loaded. `allow_change`: comma-separated settings a
-    `resume` may change (of `CHANGEABLE`).
+    `resume` may change (of `CHANGEABLE`). `quantize` ("int8", "int4", "fp8"): QLoRA, the LoRA
+    adapters trained over the language model's linears quantized and frozen (`quant.py`); needs
+    `lora_rank`; the adapter loads on the full-precision base (no merged export).
     """
     # Every argument first, before anything is loaded or written.
     parts = tuple(p.strip() for p in freeze.split(",") if p.strip())
@@ -404,6 +407,15 @@ def finetune(*, model: str, data: str, out: str, lora_rank: int = 0, lora_alpha:
                                 f"({', '.join(lora_parts)}): nothing would train")
     elif all(is_frozen(p, parts) for p in PARTS):
         raise ArgumentError("--freeze: every part is frozen: nothing would train")
+    if quantize is not None:
+        if quantize not in ("int8", "int4", "fp8"):
+            raise ArgumentError(f"--quantize must be int8, int4 or fp8, got {quantize!r}")
+        if not lora_rank:
+            raise ArgumentError("--quantize trains LoRA adapters over a frozen quantized base (QLoRA): "
+                                "give --lora-rank")
+        if export_merged:
+            raise ArgumentError("--export-merged with --quantize: the adapter loads on the full-precision "
+                                "base instead (merging would requantize the weights)")
     if not 0 <= warmup_steps < steps:
         raise ArgumentError(f"--warmup-steps must be below --steps, got {warmup_steps} and {steps}")
     changes = tuple(c.strip() for c in allow_change.split(",") if c.strip())
@@ -418,6 +430,8 @@ def finetune(*, model: str, data: str, out: str, lora_rank: int = 0, lora_alpha:
                   "freeze": sorted(parts), "learning_rate": learning_rate, "warmup_steps": warmup_steps,
                   "steps": steps, "batch_size": batch_size, "grad_accum": grad_accum, "max_length": max_length,
                   "remat": remat, "dtype": dtype, "seed": seed, "strict": strict}
+    if quantize is not None:
+        run_config["quantize"] = quantize
     os.makedirs(out, exist_ok=True)
     with RunLock(out):
         check_run_config(out, run_config, resume=resume, allow_changes=changes)
@@ -426,19 +440,20 @@ def finetune(*, model: str, data: str, out: str, lora_rank: int = 0, lora_alpha:
                          warmup_steps=warmup_steps, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
                          max_length=max_length, remat=remat, dtype=dtype, resume=resume, seed=seed,
                          save_every=save_every, keep=keep, strict=strict, export_merged=export_merged,
-                         progress=progress)
+                         progress=progress, quantize=quantize)
 
 
 def _finetune(*, model, data, out, parts, lora_rank, lora_alpha, lora_dropout, lora_vision, learning_rate,
               warmup_steps, steps, batch_size, grad_accum, max_length, remat, dtype, resume, seed, save_every,
-              keep, strict, export_merged, progress) -> dict:
+              keep, strict, export_merged, progress, quantize=None) -> dict:
     config = OptimConfig(learning_rate=learning_rate, freeze=parts, warmup_steps=warmup_steps,
                          total_steps=steps, grad_accum_steps=grad_accum)
     processor = Qwen3VLProcessor.from_pretrained(model)
     dataset = SFTDataset(data, processor, batch_size=batch_size, max_length=max_length, seed=seed,
                          strict=strict)
     # f32 master weights; bf16 is the compute dtype only.
-    net = Qwen3VL.from_pretrained(model, dtype=jnp.dtype(dtype).type, param_dtype=jnp.float32, remat=remat)
+    net = Qwen3VL.from_pretrained(model, dtype=jnp.dtype(dtype).type, param_dtype=jnp.float32, remat=remat,
+                                  quantize=quantize)
     trainable = None
     if lora_rank:
         targets = lora_lib.LANGUAGE_TARGETS + (lora_lib.VISION_TARGETS if lora_vision else ())
