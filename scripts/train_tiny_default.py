@@ -42,7 +42,12 @@ LENGTH_BUCKETS = (96, 256)
 # hundreds of updates (measured: loss flat at chance through update 536 of a 1200-update run at lr
 # 5e-3), while open colour questions alone leave the plateau within ~80 updates. So the first
 # --warm-steps updates ask only those; the model learns to read the shape's pixels there, then the
-# full mix.
+# full mix. Why the other families stay at chance (docs/tasks.md §8, "Diagnosis"): not a bug in the
+# data path (the answer survives the resize and the merge; labels are the reply only; the Trainer's
+# loss equals the inference forward's), but a long plateau: `position` alone, open questions, sits at
+# its prior for ~3,500 examples whatever the learning rate (1e-3 .. 5e-3), then learns (loss 0.69 ->
+# 0.05 by ~9,000 examples at batch 32, lr 2e-3) on plain backgrounds, and is still at the prior after
+# 9,600 examples with the documented background range (grey 40-200, noise 0-16).
 WARM_FAMILIES = ("color",)
 VISION_BUCKETS = (32, 80)
 
