@@ -51,7 +51,9 @@ INT4_GROUP = 128
 TILE = 256
 """Input rows per tile of the tiled product (`qdot`; with `TILE_COLS` columns, 2 MiB of float32).
 Measured on one decoder layer's seven matrix-vector products at 2B widths (int8, medians of 12
-interleaved runs): 128 x 2048 tiles 0.88x the f32 time, 256 x 2048 0.69x, 512 x 2048 0.70x."""
+interleaved runs, the 2 cores shared with other work): 128 x 2048 tiles 0.88x the f32 time, 256 x 2048
+0.69x, 512 x 2048 0.70x. With both cores free the f32 product is faster and these tiles lose: a layer's
+three MLP-sized int8 products 2.25x the f32 time (512 x 8192: 1.38x); not yet re-tuned (README)."""
 
 # The language model's linears (the kinds `default_modules` quantizes), and the others a spec may name.
 TEXT_KINDS = tuple(f"language_model.layers.*.{m}" for m in (
