@@ -135,11 +135,12 @@ def scale_shape(block: tuple[int, int], in_features: int, out_features: int) -> 
 # ---------------------------------------------------------------------- host-side quantization
 
 
-def _expand(scale: np.ndarray, block: tuple[int, int], shape: tuple[int, int]) -> np.ndarray:
-    """A scale grid repeated over its blocks and cropped to `shape` (the last two axes)."""
+def _expand(scale, block: tuple[int, int], shape: tuple[int, int]):
+    """A scale grid (numpy or jax) repeated over its blocks and cropped to `shape` (the last two axes)."""
+    xp = jnp if isinstance(scale, jax.Array) else np
     bi, bo = block
     bi, bo = bi or shape[0], bo or shape[1]
-    return np.repeat(np.repeat(scale, bi, axis=-2), bo, axis=-1)[..., :shape[0], :shape[1]]
+    return xp.repeat(xp.repeat(scale, bi, axis=-2), bo, axis=-1)[..., :shape[0], :shape[1]]
 
 
 def pack_int4(values: np.ndarray) -> np.ndarray:
@@ -258,18 +259,12 @@ class QTensor:
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The whole weight in `dtype` (the spec path, e.g. for `lax.ragged_dot`; slow on a CPU)."""
         if self.method == "int4":
-            k = self.kernel
-            both = jnp.stack([jnp.left_shift(k, 4) >> 4, k >> 4], axis=-2)
-            values = both.reshape(k.shape[:-2] + (2 * k.shape[-2], k.shape[-1]))[..., :self.rows, :]
-            values = values.astype(jnp.float32)
+            values = unpack_int4(self.kernel, self.rows).astype(jnp.float32)
         elif self.method == "fp8":
-            values = decode_fp8(lax.bitcast_convert_type(self.kernel, jnp.int8))
+            values = decode_fp8(_bits(self))
         else:
             values = self.kernel.astype(jnp.float32)
-        bi, bo = self.block
-        out = self.kernel.shape[-1]
-        scale = jnp.repeat(jnp.repeat(self.scale.astype(jnp.float32), bi or self.rows, axis=-2), bo or out, axis=-1)
-        return (values * scale[..., :self.rows, :out]).astype(dtype)
+        return (values * _expand(self.scale.astype(jnp.float32), self.block, values.shape[-2:])).astype(dtype)
 
 
 def _bits(q: QTensor):
