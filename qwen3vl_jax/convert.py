@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
-from .config import Qwen3VLConfig
+from .config import FP8Config, Qwen3VLConfig
 from .params import (EXPERT_LAYOUTS, CheckpointError, LazyTensor, Transform, as_lazy, expert_layout_of, flatten_paths,
                      hf_rule, keeps_dtype, nest_paths,
                      ours_to_hf_name)
@@ -367,8 +367,6 @@ def checkpoint_quantization(directory: str | os.PathLike, config: Qwen3VLConfig)
 def fp8_config(spec: QuantSpec):
     """The HF `quantization_config` (`config.FP8Config`) of an fp8 `QuantSpec` (what `save_hf` /
     `convert --quantize fp8 --to hf` write): the modules it leaves unquantized as HF names."""
-    from .config import FP8Config
-
     bi, bo = spec.block
     keep = ["lm_head"] if "lm_head" not in spec.modules else []
     raw = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [bo, bi],
@@ -633,8 +631,8 @@ def _check_orbax_params(manager, step: int, root: str, expected: Mapping[str, tu
 
 
 def _open_orbax(root: str, params_handler: str):
-    """(manager, step, config) of `save_orbax`'s layout, reading the parameters with Orbax's
-    "standard" or "pytree" handler; the caller closes the manager."""
+    """(manager, step, config, expert layout, quantization spec or None) of `save_orbax`'s layout,
+    reading the parameters with Orbax's "standard" or "pytree" handler; the caller closes the manager."""
     import orbax.checkpoint as ocp
 
     manager = ocp.CheckpointManager(root, item_handlers=_orbax_handlers(params_handler))
@@ -644,28 +642,29 @@ def _open_orbax(root: str, params_handler: str):
         raise CheckpointError(f"{root}: no finished Orbax checkpoint")
     raw = dict(manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config)
     layout = raw.pop(_EXPERT_LAYOUT_KEY, "released")
-    raw.pop(_QUANTIZATION_KEY, None)  # (read by `orbax_quantization`)
     if layout not in EXPERT_LAYOUTS:
         manager.close()
         raise CheckpointError(f"{root}: {_EXPERT_LAYOUT_KEY} is {layout!r}, not one of {sorted(EXPERT_LAYOUTS)}")
-    return manager, step, Qwen3VLConfig.from_hf_config(raw), layout
+    try:
+        spec = _spec_from_json(raw.pop(_QUANTIZATION_KEY, None), root)
+    except CheckpointError:
+        manager.close()
+        raise
+    return manager, step, Qwen3VLConfig.from_hf_config(raw), layout, spec
 
 
 def orbax_quantization(directory: str | os.PathLike) -> QuantSpec | None:
     """The `quant.QuantSpec` recorded in a `save_orbax` checkpoint of a quantized model, or None."""
-    import orbax.checkpoint as ocp
-
     root = os.path.abspath(os.path.join(os.fspath(directory), ORBAX_SUBDIR))
-    manager, step, _, _ = _open_orbax(root, "standard")
-    with manager:
-        raw = dict(manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config)
-    return _spec_from_json(raw.get(_QUANTIZATION_KEY), root)
+    manager, _, _, _, spec = _open_orbax(root, "standard")
+    manager.close()
+    return spec
 
 
 def orbax_expert_layout(directory: str | os.PathLike) -> str:
     """The HF expert layout (`params.EXPERT_LAYOUTS`) recorded in a `save_orbax` checkpoint."""
     root = os.path.abspath(os.path.join(os.fspath(directory), ORBAX_SUBDIR))
-    manager, _, _, layout = _open_orbax(root, "standard")
+    manager, _, _, layout, _ = _open_orbax(root, "standard")
     manager.close()
     return layout
 
@@ -682,7 +681,7 @@ def restore_orbax(directory: str | os.PathLike, abstract_tree_for):
     import orbax.checkpoint as ocp
 
     root = os.path.abspath(os.path.join(os.fspath(directory), ORBAX_SUBDIR))
-    manager, step, config, layout = _open_orbax(root, "standard")
+    manager, step, config, layout, _ = _open_orbax(root, "standard")
     with manager:
         target = abstract_tree_for(config)
         shapes = {path: leaf.shape for path, leaf in flatten_paths(target).items()}
@@ -708,7 +707,7 @@ def open_orbax_params(directory: str | os.PathLike, expected_for, *, dtype=None
     import orbax.checkpoint as ocp
 
     root = os.path.abspath(os.path.join(os.fspath(directory), ORBAX_SUBDIR))
-    manager, step, config, layout = _open_orbax(root, "pytree")
+    manager, step, config, layout, _ = _open_orbax(root, "pytree")
     with manager:
         expected = expected_for(config)
         _check_orbax_params(manager, step, root, {p: shape for p, (shape, _) in expected.items()})
