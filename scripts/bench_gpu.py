@@ -247,6 +247,15 @@ def main(argv=None) -> int:
         except Exception as e:
             report.row("prefill", case, "cudnn", None, note=f"unavailable: {type(e).__name__}: {str(e)[:80]}")
         report.target(f"prefill {case} >= 250 TFLOP/s", flops / t_p / 1e12 >= 250, f"{flops / t_p / 1e12:.0f} TFLOP/s")
+        for bq, bk in ([] if args.no_sweep else sweep):
+            f = jax.jit(lambda q, k, v, n, bq=bq, bk=bk: attn.causal_attention(
+                q, k, v, n, implementation="pallas", block_q=bq, block_k=bk))
+            try:
+                t = _time(f, (q, k, v, n), args.iters)
+                report.row("sweep", f"prefill {case} bq{bq} bk{bk}", "pallas", t, flops / t / 1e12)
+            except Exception as e:
+                report.row("sweep", f"prefill {case} bq{bq} bk{bk}", "pallas", None,
+                           note=f"failed: {type(e).__name__}: {str(e)[:80]}")
 
     # ------------------------------------------------------------------ decode, 8k cache
     for model in models:

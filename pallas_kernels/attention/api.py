@@ -38,6 +38,8 @@ __all__ = [
     "varlen_attention",
     "causal_attention",
     "decode_attention",
+    "default_blocks",
+    "default_splits",
     "IMPLEMENTATIONS",
 ]
 
@@ -51,24 +53,56 @@ def _pad_dim(x, width: int):
     return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
 
 
+# Shared memory the flash kernel's tiles may take: the query tile plus double-buffered key and value
+# tiles, `(bq + 2 * 2 * bk) * width * itemsize`. 160 KiB is what bf16 128 x 128 tiles at width 128
+# take, which compiled and ran on an H200; float32 at width 128 asks for 320 KiB at those tiles, over
+# the SM's 227 KiB.
+_TILE_SMEM_BYTES = 160 * 1024
+
+
+def default_blocks(width: int, itemsize: int = 2) -> tuple[int, int]:
+    """The flash kernel's tiles `(block_q, block_k)` for a padded head width and element size.
+
+    Measured on an H200 (`scripts/bench_gpu.py`'s sweep, bf16): at width 64, 64 x 64 tiles ran a
+    12,544-token varlen attention in 2.44 ms and 128 x 128 in 2.49 ms; at width 128 (the 8B vision
+    tower's 72, padded), 64 x 64 ran 8.04 ms and 128 x 128 3.69 ms, and the 8B causal prefill of
+    4,096 tokens 0.97 ms against 0.49 ms. So: 128 x 128 from width 128, 64 x 64 below, halved
+    until the tiles fit `_TILE_SMEM_BYTES` (float32 at width 128 gets 64 x 64).
+    """
+    tile = 128 if width >= 128 else 64
+    while tile > 16 and (tile + 4 * tile) * width * itemsize > _TILE_SMEM_BYTES:
+        tile //= 2
+    return tile, tile
+
+
+def default_splits(batch: int, kv_heads: int, kv_len: int) -> int:
+    """The decode kernel's split-K when none is given: about 264 programs (two per SM of an H200),
+    each split at least 256 keys, rounded up to a power of two so that a power-of-two cache divides
+    evenly (an uneven split pads, i.e. copies, the whole cache: 5 splits of an 8,192-slot cache at
+    batch 8 ran 3x slower than 8 on an H200)."""
+    wanted = pow2_at_least(-(-264 // (batch * kv_heads)))
+    return max(1, min(wanted, -(-kv_len // 256)))
+
+
 def _kernels(q, k, v, kv_start, kv_end, interpret, block_q, block_k, num_splits):
-    """The forward kernels: q `[B, L, H, D]`, k/v `[B, S, G, D]`, runs `[B, L]` -> `[B, L, H, D]`."""
+    """The forward kernels: q `[B, L, H, D]`, k/v `[B, S, G, D]`, runs `[B, L]` -> `[B, L, H, D]`.
+
+    Tiles of None take `default_blocks` (the flash kernel) or 64 keys (decode); `num_splits` of None
+    takes `default_splits`."""
     b, length, heads, dim = q.shape
     width = _kernel_dim(dim)
     precision = kernel.dot_precision(q.dtype)
     q, k, v = (_pad_dim(x, width) for x in (q, k, v))
     if length == 1:
         kv_len, kv_heads = k.shape[1], k.shape[2]
-        splits = num_splits
-        if splits is None:
-            # Enough programs to fill a GPU (~2 per SM on an H200), each split at least 256 keys.
-            splits = max(1, min(-(-264 // (b * kv_heads)), -(-kv_len // 256)))
+        splits = num_splits or default_splits(b, kv_heads, kv_len)
         out = kernel.decode_attention(q[:, 0], k, v, kv_start[:, 0], kv_end[:, 0], scale=dim**-0.5,
-                                      block_k=block_k, num_splits=splits, precision=precision,
+                                      block_k=block_k or 64, num_splits=splits, precision=precision,
                                       interpret=interpret)[:, None]
     else:
-        out = kernel.flash_attention(q, k, v, kv_start, kv_end, scale=dim**-0.5, block_q=block_q,
-                                     block_k=block_k, precision=precision, interpret=interpret)
+        tile_q, tile_k = default_blocks(width, jnp.dtype(q.dtype).itemsize)
+        out = kernel.flash_attention(q, k, v, kv_start, kv_end, scale=dim**-0.5, block_q=block_q or tile_q,
+                                     block_k=block_k or tile_k, precision=precision, interpret=interpret)
     return out[..., :dim]
 
 
@@ -91,14 +125,15 @@ def _pallas_backward(interpret, block_q, block_k, num_splits, residuals, grad):
 _pallas_attention.defvjp(_pallas_forward, _pallas_backward)
 
 
-def attention(q, k, v, mask: AttentionMask, *, implementation: str = "auto", block_q: int = 64,
-              block_k: int = 64, num_splits: int | None = None):
+def attention(q, k, v, mask: AttentionMask, *, implementation: str = "auto", block_q: int | None = None,
+              block_k: int | None = None, num_splits: int | None = None):
     """Grouped-query attention under a mask description.
 
     Args:
       q: `[B, L, H, D]`; k, v: `[B, S, G, D]` (H a multiple of G; query head h reads kv head h // (H / G)).
       mask: an `AttentionMask` with `[B, L]` key runs.
-      block_q, block_k: kernel tiles; num_splits: the decode kernel's split-K (None = fill a GPU).
+      block_q, block_k: kernel tiles (None: `default_blocks` for the padded head width; decode 64 keys);
+        num_splits: the decode kernel's split-K (None: `default_splits`, enough to fill a GPU).
     Returns:
       `[B, L, H, D]` in q's dtype; a row with an empty run is zero.
     """
@@ -163,8 +198,8 @@ def _under_current_mesh(op, q, k, v, kv_start, kv_end):
 # ---------------------------------------------------------------------- named masks (kernel tests, benchmarks)
 
 
-def varlen_attention(q, k, v, segment_ids, *, implementation: str = "auto", block_q: int = 64,
-                     block_k: int = 64):
+def varlen_attention(q, k, v, segment_ids, *, implementation: str = "auto", block_q: int | None = None,
+                     block_k: int | None = None):
     """Non-causal attention within contiguous segments; q, k, v `[S, H, D]`, `segment_ids [S]`.
 
     Negative ids are padding (never attended; zero output). Both paths visit only the key blocks
@@ -175,8 +210,8 @@ def varlen_attention(q, k, v, segment_ids, *, implementation: str = "auto", bloc
                      block_k=block_k)[0]
 
 
-def causal_attention(q, k, v, lengths, *, starts=None, implementation: str = "auto", block_q: int = 64,
-                     block_k: int = 64):
+def causal_attention(q, k, v, lengths, *, starts=None, implementation: str = "auto", block_q: int | None = None,
+                     block_k: int | None = None):
     """Causal GQA self-attention; q `[B, S, Hq, D]`, k/v `[B, S, Hkv, D]`, `lengths [B]`.
 
     Valid tokens of row b are `[starts[b], starts[b] + lengths[b])` (`starts` defaults to 0, right
@@ -189,7 +224,7 @@ def causal_attention(q, k, v, lengths, *, starts=None, implementation: str = "au
 
 
 def decode_attention(q, k_cache, v_cache, lengths, *, starts=None, implementation: str = "auto",
-                     block_k: int = 64, num_splits: int | None = None):
+                     block_k: int | None = None, num_splits: int | None = None):
     """One query token per row against a KV cache (split-K in the Pallas kernel).
 
     q `[B, Hq, D]`, caches `[B, S_max, Hkv, D]`; keys `[starts[b], starts[b] + lengths[b])` are
