@@ -35,7 +35,8 @@ __all__ = [
     "load_hf_params",
     "plan_hf_params",
     "checkpoint_quantization",
-    "orbax_quantization",
+    "OrbaxMetadata",
+    "orbax_metadata",
     "fp8_config",
     "export_hf_tensors",
     "export_hf_lazy",
@@ -630,49 +631,50 @@ def _check_orbax_params(manager, step: int, root: str, expected: Mapping[str, tu
                               "problem(s):\n  - " + "\n  - ".join(problems))
 
 
+@dataclasses.dataclass(frozen=True)
+class OrbaxMetadata:
+    """What `save_orbax` records beside the parameters: the config, the HF expert layout the experts
+    were read in (`params.EXPERT_LAYOUTS`, for a later export) and the `quant.QuantSpec` of a
+    quantized model (None otherwise)."""
+
+    config: Qwen3VLConfig
+    expert_layout: str
+    quantization: QuantSpec | None
+
+
 def _open_orbax(root: str, params_handler: str):
-    """(manager, step, config, expert layout, quantization spec or None) of `save_orbax`'s layout,
-    reading the parameters with Orbax's "standard" or "pytree" handler; the caller closes the manager."""
+    """(manager, step, `OrbaxMetadata`) of `save_orbax`'s layout, reading the parameters with Orbax's
+    "standard" or "pytree" handler; the caller closes the manager."""
     import orbax.checkpoint as ocp
 
     manager = ocp.CheckpointManager(root, item_handlers=_orbax_handlers(params_handler))
-    step = manager.latest_step()
-    if step is None:
-        manager.close()
-        raise CheckpointError(f"{root}: no finished Orbax checkpoint")
-    raw = dict(manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config)
-    layout = raw.pop(_EXPERT_LAYOUT_KEY, "released")
-    if layout not in EXPERT_LAYOUTS:
-        manager.close()
-        raise CheckpointError(f"{root}: {_EXPERT_LAYOUT_KEY} is {layout!r}, not one of {sorted(EXPERT_LAYOUTS)}")
     try:
+        step = manager.latest_step()
+        if step is None:
+            raise CheckpointError(f"{root}: no finished Orbax checkpoint")
+        raw = dict(manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config)
+        layout = raw.pop(_EXPERT_LAYOUT_KEY, "released")
+        if layout not in EXPERT_LAYOUTS:
+            raise CheckpointError(f"{root}: {_EXPERT_LAYOUT_KEY} is {layout!r}, not one of {sorted(EXPERT_LAYOUTS)}")
         spec = _spec_from_json(raw.pop(_QUANTIZATION_KEY, None), root)
-    except CheckpointError:
+        return manager, step, OrbaxMetadata(Qwen3VLConfig.from_hf_config(raw), layout, spec)
+    except BaseException:
         manager.close()
         raise
-    return manager, step, Qwen3VLConfig.from_hf_config(raw), layout, spec
 
 
-def orbax_quantization(directory: str | os.PathLike) -> QuantSpec | None:
-    """The `quant.QuantSpec` recorded in a `save_orbax` checkpoint of a quantized model, or None."""
+def orbax_metadata(directory: str | os.PathLike) -> OrbaxMetadata:
+    """The config, expert layout and quantization recorded in a `save_orbax` checkpoint (no array is read)."""
     root = os.path.abspath(os.path.join(os.fspath(directory), ORBAX_SUBDIR))
-    manager, _, _, _, spec = _open_orbax(root, "standard")
+    manager, _, metadata = _open_orbax(root, "standard")
     manager.close()
-    return spec
-
-
-def orbax_expert_layout(directory: str | os.PathLike) -> str:
-    """The HF expert layout (`params.EXPERT_LAYOUTS`) recorded in a `save_orbax` checkpoint."""
-    root = os.path.abspath(os.path.join(os.fspath(directory), ORBAX_SUBDIR))
-    manager, _, _, layout, _ = _open_orbax(root, "standard")
-    manager.close()
-    return layout
+    return metadata
 
 
 def restore_orbax(directory: str | os.PathLike, abstract_tree_for):
-    """Restore (config, params) from `save_orbax`'s layout.
+    """Restore (`OrbaxMetadata`, params) from `save_orbax`'s layout, opening it once.
 
-    `abstract_tree_for(config)` gives the restore target (a tree of `ShapeDtypeStruct`), so the
+    `abstract_tree_for(metadata)` gives the restore target (a tree of `ShapeDtypeStruct`), so the
     arrays come back with the shapes and dtypes the model expects, never guessed from the files. A
     leaf with a `sharding` is placed into it, each host reading only the chunks its devices need.
     The stored names and shapes are checked against the target first (`CheckpointError` listing
@@ -681,35 +683,36 @@ def restore_orbax(directory: str | os.PathLike, abstract_tree_for):
     import orbax.checkpoint as ocp
 
     root = os.path.abspath(os.path.join(os.fspath(directory), ORBAX_SUBDIR))
-    manager, step, config, layout, _ = _open_orbax(root, "standard")
+    manager, step, metadata = _open_orbax(root, "standard")
     with manager:
-        target = abstract_tree_for(config)
+        target = abstract_tree_for(metadata)
         shapes = {path: leaf.shape for path, leaf in flatten_paths(target).items()}
         _check_orbax_params(manager, step, root, shapes)
         try:
             restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
         except ValueError as e:  # Orbax reports tree / shape mismatches as ValueError
             raise CheckpointError(f"{root}: the Orbax checkpoint does not match the model: {e}") from e
-    return config, restored.params
+    return metadata, restored.params
 
 
 @contextlib.contextmanager
 def open_orbax_params(directory: str | os.PathLike, expected_for, *, dtype=None
-                      ) -> Iterator[tuple[Qwen3VLConfig, dict[str, LazyTensor]]]:
+                      ) -> Iterator[tuple[OrbaxMetadata, dict[str, LazyTensor]]]:
     """Open `save_orbax`'s layout for reading one tensor at a time.
 
-    `expected_for(config)` gives `{our path: (shape, dtype)}`. The stored tree (Orbax's metadata, no
+    `expected_for(metadata)` gives `{our path: (shape, dtype)}`. The stored tree (Orbax's metadata, no
     data) is checked against it first: every missing, unexpected or mis-shaped parameter is
-    reported in one `CheckpointError`. Yields (config, `{our path: LazyTensor}`); each `load()`
+    reported in one `CheckpointError`. Yields (`OrbaxMetadata`, `{our path: LazyTensor}`); each `load()`
     restores that one array (cast to `dtype`, default the expected one) while the context is open.
     """
     import jax
     import orbax.checkpoint as ocp
 
     root = os.path.abspath(os.path.join(os.fspath(directory), ORBAX_SUBDIR))
-    manager, step, config, layout, _ = _open_orbax(root, "pytree")
+    manager, step, metadata = _open_orbax(root, "pytree")
+    layout = metadata.expert_layout
     with manager:
-        expected = expected_for(config)
+        expected = expected_for(metadata)
         _check_orbax_params(manager, step, root, {p: shape for p, (shape, _) in expected.items()})
 
         def read(path: str, shape: tuple[int, ...], want: np.dtype) -> np.ndarray:
@@ -727,7 +730,7 @@ def open_orbax_params(directory: str | os.PathLike, expected_for, *, dtype=None
             # (the experts carry the layout they were first read in, for a later export)
             tensors[path] = LazyTensor(tuple(shape), want, load, path, transform=EXPERT_LAYOUTS[layout].name
                                        if ".mlp.experts." in path else "")
-        yield config, tensors
+        yield metadata, tensors
 
 
 # ---------------------------------------------------------------------- safetensors, streamed
@@ -867,11 +870,14 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, expect
         if is_orbax_dir(source):
             if quantize is not None:
                 raise ValueError("--quantize reads an HF checkpoint; convert the Orbax one to HF first")
-            spec = orbax_quantization(source)
-            if spec is not None and to == "hf" and spec.method != "fp8":
-                raise ValueError(f"{source} holds {spec.method} weights, which have no HF checkpoint format here")
-            expected_source = expected_for if spec is None else functools.partial(expected_for, quantization=spec)
-            config, params = stack.enter_context(open_orbax_params(source, expected_source, dtype=np_dtype))
+            def expected_source(metadata):
+                spec = metadata.quantization
+                if spec is not None and to == "hf" and spec.method != "fp8":
+                    raise ValueError(f"{source} holds {spec.method} weights, which have no HF checkpoint format here")
+                return expected_for(metadata.config) if spec is None else expected_for(metadata.config, quantization=spec)
+
+            metadata, params = stack.enter_context(open_orbax_params(source, expected_source, dtype=np_dtype))
+            config, spec = metadata.config, metadata.quantization
         else:
             config = Qwen3VLConfig.from_hf_config(source)
             spec = checkpoint_quantization(source, config)

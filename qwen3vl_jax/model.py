@@ -38,8 +38,8 @@ from pallas_kernels.attention.mask import AttentionMask
 
 from . import pruning as pruning_lib
 from .config import Qwen3VLConfig
-from .convert import (checkpoint_quantization, fp8_config, is_orbax_dir, orbax_expert_layout, orbax_quantization,
-                      plan_hf_params, restore_orbax, save_hf, save_orbax)
+from .convert import (checkpoint_quantization, fp8_config, is_orbax_dir, plan_hf_params, restore_orbax, save_hf,
+                      save_orbax)
 from .generate import GenerationConfig
 from .generate import generate as generate_tokens
 from .layers import check_layers, use_scan
@@ -201,8 +201,7 @@ class Qwen3VL(nnx.Module):
         if isinstance(mesh, (str, dict)):  # "data=4,tensor=2" or {"data": 4, "tensor": 2}
             mesh = make_mesh(mesh)
         # 1. resolve: the config, and each parameter's source (in its file until placed)
-        config, params = cls._resolve(path, kwargs, mesh, vision, quantize)
-        expert_layout = (orbax_expert_layout(path) if is_orbax_dir(path) else expert_layout_of(params)) or "released"
+        config, params, kwargs["quantization"], expert_layout = cls._resolve(path, kwargs, mesh, vision, quantize)
         # 2. check: the mesh can split every parameter (the sources were checked in `_resolve`)
         if mesh is not None:
             check_mesh(config, mesh, vision=vision)
@@ -232,10 +231,12 @@ class Qwen3VL(nnx.Module):
         return model
 
     @classmethod
-    def _resolve(cls, path, kwargs: dict, mesh, vision: str, quantize=None) -> tuple[Qwen3VLConfig, dict[str, object]]:
-        """The checkpoint's config and `{canonical path: value}`: `LazyTensor`s checked from the
-        safetensors headers (every problem at once), or Orbax arrays restored (sharded under `mesh`).
-        Sets `kwargs["quantization"]` to the checkpoint's FP8 layout or to `quantize`'s spec."""
+    def _resolve(cls, path, kwargs: dict, mesh, vision: str, quantize=None
+                 ) -> tuple[Qwen3VLConfig, dict[str, object], QuantSpec | None, str]:
+        """The checkpoint's config, `{canonical path: value}` (`LazyTensor`s checked from the
+        safetensors headers, every problem at once; or Orbax arrays restored, sharded under `mesh`),
+        its quantization (an FP8 checkpoint's layout, `quantize`'s spec, or what Orbax recorded) and
+        its HF expert layout."""
         if not is_orbax_dir(path):
             config = Qwen3VLConfig.from_hf_config(path)
             spec = checkpoint_quantization(path, config)
@@ -247,22 +248,19 @@ class Qwen3VL(nnx.Module):
             if quantize is not None:
                 spec = quantize if isinstance(quantize, QuantSpec) else QuantSpec.make(quantize)
                 params = quantize_params(params, spec)
-            kwargs["quantization"] = spec
-            return config, params
+            return config, params, spec, expert_layout_of(params) or "released"
 
-        kwargs["quantization"] = orbax_quantization(path)
-
-        def target(config):  # Orbax holds the canonical per-block layout
-            abstract = cls.abstract(config, **{**kwargs, "scan_layers": False})
-            pure = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+        def target(metadata):  # Orbax holds the canonical per-block layout
+            options = {**kwargs, "scan_layers": False, "quantization": metadata.quantization}
+            pure = nnx.to_pure_dict(nnx.state(cls.abstract(metadata.config, **options), nnx.Param))
             if mesh is None:
                 return pure
-            check_mesh(config, mesh, vision=vision)
+            check_mesh(metadata.config, mesh, vision=vision)
             return jax.tree.map(lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s),
                                 pure, param_shardings(nnx.State(pure), mesh, vision=vision))
 
-        config, pure = restore_orbax(path, target)
-        return config, dict(flat_paths(pure))
+        metadata, pure = restore_orbax(path, target)
+        return metadata.config, dict(flat_paths(pure)), metadata.quantization, metadata.expert_layout
 
     def save_orbax(self, directory: str | os.PathLike) -> str:
         """Write the parameters (canonical per-block layout) and the config as Orbax under `directory/orbax`

@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 from .config import TextConfig
 from .layers import Linear
 from .params import EXPERT, FSDP
-from .quant import QTensor, QuantSpec, qdot, scale_shape, storage_dtype, storage_shape
+from .quant import EXPERTS_KIND, QTensor, QuantSpec, qdot, scale_shape, storage_dtype, storage_shape
 from .sharding import BATCH
 
 __all__ = ["MOE_IMPLEMENTATIONS", "Routing", "route", "expert_ffn", "expert_parallel", "tile_rows", "MoEBlock",
@@ -214,7 +214,7 @@ class MoEBlock(nnx.Module):
         self.top_k = config.num_experts_per_tok
         self.dtype = dtype
         self.gate = Linear(h, e, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        if quant is not None and quant.covers("language_model.layers.*.mlp.experts"):
+        if quant is not None and quant.covers(EXPERTS_KIND):
             self.experts = QuantExperts(e, h, i, spec=quant)
         else:
             self.experts = Experts(e, h, i, param_dtype=param_dtype, rngs=rngs)

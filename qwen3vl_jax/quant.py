@@ -42,7 +42,7 @@ from .params import LazyTensor
 
 __all__ = ["METHODS", "FP8_MAX", "INT4_GROUP", "TILE", "QuantSpec", "QTensor", "QuantLinear", "make_linear",
            "quantize", "dequantize", "qdot", "decode_fp8", "pack_int4", "unpack_int4", "module_kind",
-           "TEXT_KINDS", "default_modules", "storage_shape", "scale_shape", "storage_dtype", "quantize_params",
+           "TEXT_KINDS", "EXPERTS_KIND", "default_modules", "storage_shape", "scale_shape", "storage_dtype", "quantize_params",
            "quantized_path"]
 
 METHODS = ("fp8", "int8", "int4")
@@ -56,9 +56,10 @@ interleaved runs, the 2 cores shared with other work): 128 x 2048 tiles 0.88x th
 three MLP-sized int8 products 2.25x the f32 time (512 x 8192: 1.38x); not yet re-tuned (README)."""
 
 # The language model's linears (the kinds `default_modules` quantizes), and the others a spec may name.
+EXPERTS_KIND = "language_model.layers.*.mlp.experts"  # a MoE layer's experts (`moe.QuantExperts`)
 TEXT_KINDS = tuple(f"language_model.layers.*.{m}" for m in (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.experts"))
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")) + (EXPERTS_KIND,)
 LM_HEAD = "lm_head"
 
 

@@ -114,15 +114,15 @@ from qwen3vl_jax.params import canonical_params, flat_paths
 
 mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
 
-def target(config):
-    pure = nnx.to_pure_dict(nnx.state(Qwen3VL.abstract(config, scan_layers=False), nnx.Param))
+def target(metadata):
+    pure = nnx.to_pure_dict(nnx.state(Qwen3VL.abstract(metadata.config, scan_layers=False), nnx.Param))
     def place(leaf):
         spec = P("x") if leaf.ndim and leaf.shape[0] % 4 == 0 else P()
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
     return jax.tree.map(place, pure)
 
-config, params = restore_orbax(sys.argv[1], target)
-want = dict(flat_paths(target(config)))
+metadata, params = restore_orbax(sys.argv[1], target)
+want = dict(flat_paths(target(metadata)))
 ref = canonical_params(Qwen3VL.from_pretrained(sys.argv[2]))
 split = 0
 for path, leaf in flat_paths(params):
