@@ -186,12 +186,13 @@ def expert_parallel(x, routing: Routing, gate_up, down, *, implementation: str =
     local = experts // n
     split = x.shape[0] % math.prod(sizes[a] for a in BATCH) == 0  # tokens split over the batch axes
     tokens = P(BATCH) if split else P()
-    gather_fsdp = sizes[FSDP] > 1 and gate_up.shape[1] % sizes[FSDP] == 0
+    # (a quantized weight's stored kernel carries the sharding; its scale grid is replicated)
+    gather_fsdp = sizes[FSDP] > 1 and _stored(gate_up).shape[1] % sizes[FSDP] == 0
 
     def body(x, chosen, weights, gate_up, down):
         if gather_fsdp:
-            gate_up = lax.all_gather(gate_up, FSDP, axis=1, tiled=True)
-            down = lax.all_gather(down, FSDP, axis=2, tiled=True)
+            gate_up = _gathered(gate_up, axis=1)
+            down = _gathered(down, axis=2)
         if split:
             x, chosen, weights = (lax.all_gather(a, EXPERT, axis=0, tiled=True) for a in (x, chosen, weights))
         first = lax.axis_index(EXPERT) * local
@@ -201,9 +202,30 @@ def expert_parallel(x, routing: Routing, gate_up, down, *, implementation: str =
             return lax.psum_scatter(y, EXPERT, scatter_dimension=0, tiled=True)
         return lax.psum(y, EXPERT)
 
-    weight_specs = (P(EXPERT, FSDP, None), P(EXPERT, None, FSDP)) if gather_fsdp else (P(EXPERT), P(EXPERT))
+    kernel_specs = (P(EXPERT, FSDP, None), P(EXPERT, None, FSDP)) if gather_fsdp else (P(EXPERT), P(EXPERT))
+    weight_specs = tuple(_weight_spec(w, spec) for w, spec in zip((gate_up, down), kernel_specs))
     return jax.shard_map(body, in_specs=(tokens, tokens, tokens, *weight_specs), out_specs=tokens,
                          check_vma=False)(x, routing.experts, routing.weights, gate_up, down)
+
+
+def _stored(weight):
+    """The array that holds a weight's experts (a `QTensor`'s stored kernel)."""
+    return weight.kernel if isinstance(weight, QTensor) else weight
+
+
+def _gathered(weight, axis: int):
+    """A weight's `fsdp` slices all-gathered along `axis` (a `QTensor`'s kernel; its scales are whole)."""
+    if isinstance(weight, QTensor):
+        return dataclasses.replace(weight, kernel=lax.all_gather(weight.kernel, FSDP, axis=axis, tiled=True))
+    return lax.all_gather(weight, FSDP, axis=axis, tiled=True)
+
+
+def _weight_spec(weight, kernel_spec: P):
+    """`shard_map`'s spec for a weight: `kernel_spec`, or for a `QTensor` the kernel's and its scale
+    grid's (split over `expert` only)."""
+    if isinstance(weight, QTensor):
+        return dataclasses.replace(weight, kernel=kernel_spec, scale=P(EXPERT))
+    return kernel_spec
 
 
 class MoEBlock(nnx.Module):
@@ -225,8 +247,6 @@ class MoEBlock(nnx.Module):
         flat = x.reshape(b * length, h)
         routing = route(self.gate(flat), self.top_k)
         run = expert_parallel if _expert_axis_size() > 1 else expert_ffn
-        if run is expert_parallel and isinstance(self.experts, QuantExperts):
-            raise NotImplementedError("quantized experts under an `expert` mesh axis are not supported yet")
         out = run(flat, routing, *self.experts.weights(), implementation=implementation)
         return out.reshape(b, length, h), routing.logits
 

@@ -1,6 +1,7 @@
 """(A subprocess of tests/test_moe.py, 8 host CPU devices.) A tiny MoE checkpoint on one device and
 on meshes with an `expert` axis: logits, greedy ids, the loss gradient (LM + router aux loss) and
-the parameters after one `Trainer` step, written as .npz."""
+the parameters after one `Trainer` step, written as .npz. With `--quantize METHOD` first, the
+checkpoint is loaded with quantized weights (experts included): logits and greedy ids only."""
 
 from __future__ import annotations
 
@@ -36,19 +37,36 @@ def relative(a, b):
     return max(float(np.abs(a[k] - b[k]).max() / max(np.abs(b[k]).max(), 1e-30)) for k in b)
 
 
-def main(directory, out, meshes):
+def run_frozen(model, batch):
+    logits = np.asarray(model(batch["input_ids"], batch["attention_mask"]))
+    ids = np.asarray(model.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=6, eos_token_id=[]))
+    return logits, ids
+
+
+def main(directory, out, meshes, quantize=None):
     rng = np.random.default_rng(0)
     ids = rng.integers(5, 400, (4, 24)).astype(np.int32)
     mask = np.ones_like(ids)
     mask[1, :7] = 0  # left padding
     batch = {"input_ids": ids, "attention_mask": mask, "labels": np.where(mask, ids, -100)}
-    logits, gen, grads, loss, stepped = run(Qwen3VL.from_pretrained(directory, scan_layers=False), batch)
-    results = {"one/logits": logits, "one/ids": gen, "one/loss": np.array(loss)}
+    if quantize:
+        logits, gen = run_frozen(Qwen3VL.from_pretrained(directory, scan_layers=False, quantize=quantize), batch)
+        results = {"one/logits": logits, "one/ids": gen}
+    else:
+        logits, gen, grads, loss, stepped = run(Qwen3VL.from_pretrained(directory, scan_layers=False), batch)
+        results = {"one/logits": logits, "one/ids": gen, "one/loss": np.array(loss)}
     for mesh in meshes:
-        model = Qwen3VL.from_pretrained(directory, mesh=mesh, scan_layers=False)
-        weight = model.language_model.layers[0].mlp.experts.gate_up_proj[...]
+        model = Qwen3VL.from_pretrained(directory, mesh=mesh, scan_layers=False, quantize=quantize)
+        experts = model.language_model.layers[0].mlp.experts
+        weight = experts.gate_up_proj[...]
         results[f"{mesh}/spec"] = np.array(str(weight.sharding.spec))
         results[f"{mesh}/local_experts"] = np.array(weight.addressable_shards[0].data.shape[0])
+        if quantize:
+            scale = experts.gate_up_proj_scale[...]
+            results[f"{mesh}/dtype"] = np.array(str(weight.dtype))
+            results[f"{mesh}/scale_experts"] = np.array(scale.addressable_shards[0].data.shape[0])
+            results[f"{mesh}/logits"], results[f"{mesh}/ids"] = run_frozen(model, batch)
+            continue
         m_logits, m_ids, m_grads, m_loss, m_stepped = run(model, batch)
         results[f"{mesh}/logits"], results[f"{mesh}/ids"] = m_logits, m_ids
         results[f"{mesh}/loss"] = np.array(m_loss)
@@ -58,4 +76,8 @@ def main(directory, out, meshes):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    args = sys.argv[1:]
+    method = None
+    if args[0] == "--quantize":
+        method, args = args[1], args[2:]
+    main(args[0], args[1], args[2:], quantize=method)

@@ -374,6 +374,34 @@ def test_expert_parallel_meshes_match_one_device(moe_dirs, tmp_path):
         assert float(results[f"{mesh}/step_err"]) < 1e-4, (mesh, float(results[f"{mesh}/step_err"]))
 
 
+@pytest.mark.parametrize("method", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
+def test_quantized_experts_under_an_expert_axis_match_one_device(moe_dirs, tmp_path, method):
+    """Quantized experts (`moe.QuantExperts`, weights and scale grids) under `expert` meshes on 8 host
+    CPU devices give the one-device quantized model's logits and greedy ids; each device holds E / n
+    experts' stored weights."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "mesh.npz"
+    meshes = ["expert=8", "expert=2,fsdp=2,tensor=2"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "moe_mesh_worker.py"),
+                           "--quantize", method, moe_dirs["sparse"], str(out), *meshes], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = np.load(out)
+    experts = CONFIGS["sparse"][0]["num_experts"]
+    for mesh in meshes:
+        n = int(dict(kv.split("=") for kv in mesh.split(","))["expert"])
+        assert str(results[f"{mesh}/dtype"]) == {"int8": "int8", "fp8": "float8_e4m3fn"}[method]
+        assert "expert" in str(results[f"{mesh}/spec"]), results[f"{mesh}/spec"]
+        assert int(results[f"{mesh}/local_experts"]) == experts // n
+        assert int(results[f"{mesh}/scale_experts"]) == experts  # the scale grids are replicated
+        assert_close(results[f"{mesh}/logits"], results["one/logits"], "f32_logits", f"{method} {mesh}")
+        np.testing.assert_array_equal(results[f"{mesh}/ids"], results["one/ids"])
+
+
 def test_expert_axis_is_checked(moe_dirs):
     from qwen3vl_jax.sharding import ShardingError, check_mesh
 
