@@ -33,6 +33,7 @@ from .generate import next_token_logits
 from .model import MODEL_INPUTS
 from .pruning.synthetic import SyntheticItem, to_task_item
 from .pruning.tasks import mc_prompt
+from .testing import write_video
 
 __all__ = ["DEFAULT_MODEL_DIR", "FORMS", "TRAIN_SEED", "WARM_SEED", "default_checkpoint", "item_prompt", "item_inputs",
            "write_sft_dataset", "Scored", "evaluate", "accuracy"]
@@ -90,8 +91,6 @@ def write_sft_dataset(items: Sequence[SyntheticItem], directory: str | os.PathLi
     `mc_fraction`, else its open form (answered with the word). Images are PNG, clips lossless `.mov`
     (PNG frames) at the item's fps, which the processor decodes to the very pixels. Returns the path."""
     from PIL import Image
-
-    from .testing import write_video
 
     if not 0 <= mc_fraction <= 1:
         raise ValueError(f"mc_fraction must be in [0, 1], got {mc_fraction!r}")

@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zlib
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from .config import Qwen3VLConfig, TextConfig, VisionConfig
+from .convert import copy_side_files, export_hf_tensors, iter_hf_tensors, storage_dtype, write_safetensors
+from .model import expected_params
+from .quant import dequantize, quantize
 
 __all__ = ["SPECIAL_TOKENS", "CHAT_TEMPLATE", "tiny_config", "make_tiny_checkpoint", "random_params", "bpe_tokenizer",
            "write_checkpoint_files"]
@@ -143,8 +148,6 @@ def random_params(config: Qwen3VLConfig, seed: int = 0, dtype=np.float32) -> dic
     Each parameter is a function of (seed, its path) only. Linear kernels ~ N(0, 1/fan_in); biases ~ N(0, 0.02^2); norm scales ~ 1 + N(0, 0.1^2);
     embeddings ~ N(0, 1).
     """
-    from .model import expected_params
-
     shapes = expected_params(config)
     params = {}
     for path in sorted(shapes):
@@ -201,8 +204,6 @@ def make_tiny_checkpoint(
       image_size, video_size: the processors' `size` ({"shortest_edge": min pixels,
         "longest_edge": max pixels}).
     """
-    from .convert import export_hf_tensors, storage_dtype, write_safetensors
-
     if rope_form not in ("v5", "legacy"):
         raise ValueError(f"rope_form must be 'v5' or 'legacy', got {rope_form!r}")
     if dtype not in ("float32", "bfloat16"):
@@ -422,13 +423,6 @@ def make_fp8_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, bl
     `quantization_config` in config.json. `dequantized`: write instead the full-precision
     checkpoint of the dequantized weights (float32; what HF computes from the FP8 one), no
     `quantization_config`."""
-    import re
-
-    import ml_dtypes
-
-    from .convert import copy_side_files, iter_hf_tensors, write_safetensors
-    from .quant import dequantize, quantize
-
     out = os.fspath(out)
     os.makedirs(out, exist_ok=True)
     pattern = re.compile(r"model\.language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..config import read_json
+from ..pruning import placeholder_tokens, retained_count, validate_image_pruning, validate_video_pruning
 from . import chat
 from .image import IMAGE_KEYS, ImageProcessor
 from .media import batch_videos, flatten_images
@@ -272,8 +273,6 @@ class Qwen3VLProcessor:
 
     def pruned_tokens_per_frame(self, video_grid_thw, video_pruning) -> list[list[int] | None]:
         """Per video, `[K, 0, ..., 0]` under `video_pruning=(method, rate)`, or None (full) when off."""
-        from ..pruning import retained_count, validate_video_pruning
-
         spec = validate_video_pruning(*video_pruning)
         if spec is None:
             return [None] * len(video_grid_thw)
@@ -286,8 +285,6 @@ class Qwen3VLProcessor:
 
     def pruned_image_tokens(self, image_grid_thw, image_pruning) -> list[int] | None:
         """Per image, the K tokens `image_pruning=(method, rate)` keeps, or None (all) when off."""
-        from ..pruning import placeholder_tokens, validate_image_pruning
-
         spec = validate_image_pruning(image_pruning)
         if spec is None:
             return None

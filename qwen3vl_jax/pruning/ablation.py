@@ -34,7 +34,12 @@ from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 
+from ..generate import next_token_logits
+from ..model import MODEL_INPUTS
+from .llm import llm_option, prefill_flops
+from .registry import get_method, media, method_kind, validate_llm_pruning, validate_video_pruning
 from .tasks import TaskItem, mc_prompt, parse_letter
 
 __all__ = ["AblationRow", "SummaryRow", "builtin_videos", "video_items", "run_ablation", "summarize",
@@ -183,13 +188,6 @@ def run_ablation(
     `families`: item id -> task family; `summary.csv` and the plot then break accuracy down by family
     (`summarize`).
     """
-    from tqdm.auto import tqdm
-
-    from ..generate import next_token_logits
-    from ..model import MODEL_INPUTS
-    from .llm import llm_option, prefill_flops
-    from .registry import get_method, media, method_kind, validate_llm_pruning, validate_video_pruning
-
     if score not in ("loglik", "generate"):
         raise ValueError(f"score must be 'loglik' or 'generate', got {score!r}")
     layers = model.config.text.num_hidden_layers

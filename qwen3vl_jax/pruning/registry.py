@@ -35,6 +35,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from ._common import merged_grid
+
 __all__ = [
     "PruningMethod",
     "PromptText",
@@ -271,8 +273,6 @@ def retention_mask(method: str, rows, grid_thw, spatial_merge_size: int, rate: f
     `text` is passed on to text-guided methods (ValueError if such a method gets none). The mask
     must be N booleans with exactly `retained_count` trues (at most that many for adaptive methods).
     """
-    from ._common import merged_grid
-
     impl = get_method(method)
     t, r, c = merged_grid(grid_thw, spatial_merge_size)
     n = t * r * c

@@ -50,6 +50,7 @@ from ..checks import ArgumentError
 from ..model import MODEL_INPUTS
 from ..shapes import quarter_octave
 from ..sharding import use_mesh
+from .lora import LoRAKey, set_lora_training
 from .loss import summed_token_loss
 from .optim import OptimConfig, build_optimizer, is_frozen, learning_rate_schedule, param_part, param_path
 
@@ -116,8 +117,6 @@ class Trainer:
         self.chunk_size = chunk_size
         self.max_vision_tokens = max_vision_tokens
         self.trainable = trainable if trainable is not None else trainable_filter(config.freeze)
-        from .lora import LoRAKey, set_lora_training
-
         # The step's graph has LoRA dropout on; the caller's model is left in evaluation mode.
         set_lora_training(model, True)
         self.graphdef, params, keys, self.rest = nnx.split(model, self.trainable, LoRAKey, ...)
