@@ -85,11 +85,16 @@ def item_inputs(processor, item: SyntheticItem, form: str = "open") -> dict:
 
 
 def write_sft_dataset(items: Sequence[SyntheticItem], directory: str | os.PathLike, *, mc_fraction: float = 0.5,
-                      seed: int = 0, name: str = "train.jsonl") -> str:
+                      seed: int = 0, name: str = "train.jsonl", extra_questions: int = 0) -> str:
     """A fine-tuning JSONL (`training.SFTDataset`'s format) under `directory` with the media beside it:
     each item one conversation, its multiple-choice form (answered with the letter) with probability
     `mc_fraction`, else its open form (answered with the word). Images are PNG, clips lossless `.mov`
-    (PNG frames) at the item's fps, which the processor decodes to the very pixels. Returns the path."""
+    (PNG frames) at the item's fps, which the processor decodes to the very pixels. Returns the path.
+
+    `extra_questions` > 0: after the item's own question, up to that many further user/assistant turns
+    about the same media, from the item's `facts` (`color` and, for images, `shape`; in a random
+    order), each in a form drawn like the first, its options drawn as `synthetic` draws them. So one
+    vision forward supervises several answers. 0 (the default) writes exactly what it always wrote."""
     from PIL import Image
 
     if not 0 <= mc_fraction <= 1:
@@ -110,12 +115,31 @@ def write_sft_dataset(items: Sequence[SyntheticItem], directory: str | os.PathLi
         text, reply = item_prompt(item, "mc" if rng.random() < mc_fraction else "open")
         messages = [{"role": "user", "content": [{"type": item.kind, item.kind: media}, {"type": "text", "text": text}]},
                     {"role": "assistant", "content": [{"type": "text", "text": reply}]}]
+        if extra_questions:
+            for extra in _extra_items(item, rng, extra_questions):
+                text, reply = item_prompt(extra, "mc" if rng.random() < mc_fraction else "open")
+                messages += [{"role": "user", "content": [{"type": "text", "text": text}]},
+                             {"role": "assistant", "content": [{"type": "text", "text": reply}]}]
         lines.append(json.dumps({"messages": messages}) + "\n")
     path = os.path.join(directory, name)
     with open(path + ".tmp", "w") as f:
         f.writelines(lines)
     os.replace(path + ".tmp", path)
     return path
+
+
+def _extra_items(item: SyntheticItem, rng: np.random.Generator, limit: int) -> list[SyntheticItem]:
+    """Up to `limit` further questions about `item`'s media from its `facts`, as items of those families
+    (same media; the shape question names "the image", so clips get the colour question only)."""
+    from .pruning import synthetic
+
+    asked = [f for f in ("color", "shape") if f in item.facts and f != item.family
+             and (f == "color" or item.kind == "image")]
+    asked = [asked[i] for i in rng.permutation(len(asked))][:limit]
+    vocabulary = {"color": tuple(synthetic.PALETTE), "shape": synthetic.SHAPES}
+    return [dataclasses.replace(item, family=f, question=synthetic.QUESTIONS[f], answer=item.facts[f],
+                                options=synthetic._options(rng, item.facts[f], vocabulary[f]), facts={})
+            for f in asked]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,12 @@ project's own fine-tuning stack: `SFTDataset` over a generated JSONL, `Trainer` 
 
     nice -n 10 .venv/bin/python scripts/train_tiny_default.py [--out runs/tiny-default] [--rows 6000]
         [--steps 1200] [--batch-size 16] [--learning-rate 2e-3] [--seed 0] [--eval-items 40] [--install]
+        [--plain-steps 480 --plain-rows 15000] [--extra-questions 2]
+
+Phases (one learning-rate schedule over all, the update count carrying on): --warm-steps of open colour
+questions; then, with --plain-steps, the family mix on plain backgrounds (`PLAIN`); then the family
+mix on the documented ranges up to --steps. --extra-questions k asks up to k further questions about
+the same media in each conversation of the last two phases (`default.write_sft_dataset`).
 
 Writes under OUT: `init/` (the random starting checkpoint: config, tokenizer, processor configs),
 `data/` (the training conversations and their media), `run/` (`metrics.jsonl`, `loss.png`, the
@@ -37,7 +43,7 @@ BPE_VOCAB = 512  # byte alphabet + merges, before the special tokens
 IMAGE_SIZE = {"shortest_edge": 128 * 128, "longest_edge": 160 * 160}
 VIDEO_SIZE = {"shortest_edge": 4 * 32 * 32, "longest_edge": 32 * 64 * 64}
 VIDEO_SAMPLING = {"fps": 8, "min_frames": 4, "max_frames": 32}
-LENGTH_BUCKETS = (96, 256)
+LENGTH_BUCKETS = (96, 256, 320)  # 320: clips with --extra-questions
 # Curriculum: from random weights, a mix of all seven families sits at the answer priors for
 # hundreds of updates (measured: loss flat at chance through update 536 of a 1200-update run at lr
 # 5e-3), while open colour questions alone leave the plateau within ~80 updates. So the first
@@ -49,6 +55,13 @@ LENGTH_BUCKETS = (96, 256)
 # 0.05 by ~9,000 examples at batch 32, lr 2e-3) on plain backgrounds, and is still at the prior after
 # 9,600 examples with the documented background range (grey 40-200, noise 0-16).
 WARM_FAMILIES = ("color",)
+# An optional second phase (--plain-steps): the family mix on plain backgrounds (no noise, one grey),
+# where `position` alone leaves its plateau, before the documented ranges; its items come from
+# --seed + PLAIN_SEED. Measured (docs/tasks.md §8): 800 updates at batch 32, lr 2e-3 with
+# --warm-steps 60 --plain-steps 480 --extra-questions 2 learned colour (open 1.0) and a little of
+# count, not position or shape: not better than the defaults, which stay the shipped recipe.
+PLAIN = dict(noise=(0.0,), background=(128, 128))
+PLAIN_SEED = 2_000_000
 VISION_BUCKETS = (32, 80)
 
 
@@ -114,6 +127,13 @@ def main(argv=None) -> int:
     parser.add_argument("--warm-steps", type=int, default=120,
                         help="first-phase updates on open colour questions (0: none), counted in --steps")
     parser.add_argument("--warm-rows", type=int, default=1000, help="first-phase conversations")
+    parser.add_argument("--plain-steps", type=int, default=0,
+                        help="second-phase updates on the family mix with plain backgrounds (no noise, grey "
+                             f"{PLAIN['background'][0]}) (0: none), counted in --steps; the documented ranges follow")
+    parser.add_argument("--plain-rows", type=int, default=8000, help="second-phase conversations")
+    parser.add_argument("--extra-questions", type=int, default=0,
+                        help="further questions per conversation about the same media (colour, shape; "
+                             "default.write_sft_dataset), in the plain and main phases")
     parser.add_argument("--mc-fraction", type=float, default=0.5, help="share of multiple-choice conversations")
     parser.add_argument("--families", nargs="+", default=None, help="task families (default: all)")
     parser.add_argument("--seed", type=int, default=0)
@@ -129,8 +149,13 @@ def main(argv=None) -> int:
         parser.error("--warmup-steps must be in [0, --steps)")
     if not 0 <= args.warm_steps < args.steps or args.warm_rows < 1:
         parser.error("--warm-steps must be in [0, --steps) and --warm-rows >= 1")
-    if args.eval_seed in (args.seed, args.seed + 1_000_000):
-        parser.error("--eval-seed must differ from the training seeds --seed and --seed + 1000000 (held-out items)")
+    if args.plain_steps < 0 or args.warm_steps + args.plain_steps >= args.steps or args.plain_rows < 1:
+        parser.error("--plain-steps must be >= 0 with --warm-steps + --plain-steps < --steps, and --plain-rows >= 1")
+    if args.extra_questions < 0:
+        parser.error("--extra-questions must be >= 0")
+    if args.eval_seed in (args.seed, args.seed + 1_000_000, args.seed + PLAIN_SEED):
+        parser.error("--eval-seed must differ from the training seeds --seed, --seed + 1000000 and "
+                     f"--seed + {PLAIN_SEED} (held-out items)")
     if os.path.exists(args.out) and os.listdir(args.out):
         parser.error(f"{args.out} is not empty; choose a new --out")
 
@@ -155,8 +180,15 @@ def main(argv=None) -> int:
     init = build_initial(os.path.join(args.out, "init"), args.seed, vision, text)
     items = synthetic.make_set(args.rows, seed=args.seed, families=families)
     data_path = write_sft_dataset(items, os.path.join(args.out, "data"), mc_fraction=args.mc_fraction,
-                                  seed=args.seed)
+                                  seed=args.seed, extra_questions=args.extra_questions)
     del items
+    if args.plain_steps:  # the second phase: the family mix on plain backgrounds (see PLAIN)
+        plain_items = synthetic.make_set(args.plain_rows, seed=args.seed + PLAIN_SEED, families=families,
+                                         ranges=synthetic.TaskRanges(**PLAIN))
+        plain_path = write_sft_dataset(plain_items, os.path.join(args.out, "data-plain"),
+                                       mc_fraction=args.mc_fraction, seed=args.seed,
+                                       extra_questions=args.extra_questions)
+        del plain_items
     if args.warm_steps:  # the first phase: open colour questions only (see WARM_FAMILIES)
         warm_items = synthetic.make_set(args.warm_rows, seed=args.seed + WARM_SEED, families=WARM_FAMILIES)
         warm_path = write_sft_dataset(warm_items, os.path.join(args.out, "data-warm"), mc_fraction=0.0,
@@ -172,6 +204,7 @@ def main(argv=None) -> int:
 
     data = dataset(data_path)
     warm = dataset(warm_path) if args.warm_steps else None
+    plain = dataset(plain_path) if args.plain_steps else None
     model = Qwen3VL.from_pretrained(init, dtype=jnp.float32, param_dtype=jnp.float32)
     timings["scan_s"] = time.perf_counter() - clock - timings["data_s"]
     print(f"{count_params(model):,} parameters; {len(data.rows)} rows, {data.batches_per_epoch} batches per epoch "
@@ -183,7 +216,9 @@ def main(argv=None) -> int:
     run_dir = os.path.join(args.out, "run")
     start = time.perf_counter()
     phases = [("warm", warm, args.warm_steps)] if args.warm_steps else []
-    phases.append(("main", data, args.steps))  # one schedule over both: the update count carries on
+    if args.plain_steps:
+        phases.append(("plain", plain, args.warm_steps + args.plain_steps))
+    phases.append(("main", data, args.steps))  # one schedule over all: the update count carries on
     for name, phase_data, until in phases:
         train(trainer, phase_data, steps=until, out_dir=os.path.join(run_dir, name), seed=args.seed,
               save_every=until, keep=1)
@@ -200,7 +235,9 @@ def main(argv=None) -> int:
         copy_side_files(init, staging)  # the initial config.json: the same architecture, plus the token ids
     timings["total_s"] = time.perf_counter() - clock
     report = {"seed": args.seed, "rows": len(data.rows), "steps": args.steps, "warm_steps": args.warm_steps,
-              "warm_rows": args.warm_rows, "batch_size": args.batch_size,
+              "warm_rows": args.warm_rows, "plain_steps": args.plain_steps,
+              "plain_rows": args.plain_rows if args.plain_steps else 0, "extra_questions": args.extra_questions,
+              "mc_fraction": args.mc_fraction, "warmup_steps": args.warmup_steps, "batch_size": args.batch_size,
               "learning_rate": args.learning_rate, "width": args.width, "parameters": count_params(model),
               "families": list(families), "timings": timings}
     print(f"trained in {timings['train_s'] / 60:.1f} min ({timings['total_s'] / 60:.1f} min with data)", flush=True)

@@ -132,3 +132,31 @@ def test_training_conversations_carry_the_exact_pixels_and_both_forms(tmp_path):
     assert forms == {"mc", "open"}
     with pytest.raises(ValueError, match="mc_fraction"):
         default.write_sft_dataset(items, tmp_path, mc_fraction=1.5)
+
+
+def test_extra_questions_ask_the_items_facts_about_the_same_media(tmp_path):
+    """`write_sft_dataset(extra_questions=2)`: the item's own question first (as with 0), then its
+    facts (colour; shape on images only) as further turns with no media, answered right in either form."""
+    from qwen3vl_jax.training import read_jsonl
+
+    items = synthetic.make_set(28, seed=7)
+    rows = read_jsonl(default.write_sft_dataset(items, tmp_path / "more", mc_fraction=0.5, seed=3,
+                                                extra_questions=2))
+    extra_turns = 0
+    for (_, messages), item in zip(rows, items):
+        assert messages[0]["content"][1]["text"].startswith(item.question)
+        asked = []
+        for user, reply in zip(messages[2::2], messages[3::2]):
+            (part,) = user["content"]
+            question, answer = part["text"], reply["content"][0]["text"]
+            family = next(f for f in ("color", "shape") if question.startswith(synthetic.QUESTIONS[f]))
+            asked.append(family)
+            if "A. " in question:  # mc: the letter of the fact among the options
+                lines = question.split("\n")[1:5]
+                assert f"{answer}. {item.facts[family]}" in lines, (question, answer)
+            else:
+                assert answer == item.facts[family]
+        expected = {f for f in item.facts if f != item.family and (f == "color" or item.kind == "image")}
+        assert set(asked) == expected and len(asked) == len(expected)
+        extra_turns += len(asked)
+    assert extra_turns > len(items) // 2

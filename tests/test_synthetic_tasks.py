@@ -120,6 +120,22 @@ def test_answers_are_recoverable_from_pixels(items):
         assert oracle(item) == item.answer, (i, item.family, item.question)
 
 
+def test_facts_are_recoverable_from_pixels(items):
+    """`facts` (the colour and kind of a one-shape item) agree with the oracles, frame by frame for clips."""
+    for i, item in enumerate(items):
+        if item.family in ("count", "order"):
+            assert item.facts == {}, (i, item.family)
+            continue
+        assert set(item.facts) == {"color", "shape"}, (i, item.family)
+        assert item.facts.get(item.family, item.answer) == item.answer
+        frames = [item.media] if item.kind == "image" else [f for f in item.media if shape_mask(f).any()]
+        for frame in frames:
+            mask = shape_mask(frame)
+            assert nearest_color(frame[mask]) == item.facts["color"], (i, item.family)
+            if item.kind == "image" or not (mask[0].any() or mask[-1].any() or mask[:, 0].any() or mask[:, -1].any()):
+                assert kind_of(mask) == item.facts["shape"], (i, item.family)
+
+
 def test_set_is_balanced_and_answers_vary(items):
     families = [it.family for it in items]
     assert all(families.count(f) == N_PER_FAMILY for f in synthetic.FAMILIES)

@@ -160,6 +160,10 @@ class SyntheticItem:
     answer: str  # the one-word open answer
     options: tuple[str, ...]  # 4 one-word options, the answer exactly once, shuffled
     fps: float | None = None  # clips only
+    # Other facts of the same media, fixed by the pixels like the answer: {"color": .., "shape": ..}
+    # for the one-shape families (color, shape, position, direction, hidden), {} for count and order.
+    # Recorded from the draws already made (no extra draws), so items are unchanged pixel for pixel.
+    facts: dict = dataclasses.field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -244,7 +248,8 @@ def _image_single(family, rng, ranges):
         answer = color if family == "color" else kind
     _draw(image, kind, y0, x0, size, PALETTE[color])
     vocabulary = {"color": ranges.palette, "shape": SHAPES, "position": POSITIONS}[family]
-    return SyntheticItem(family, image, QUESTIONS[family], answer, _options(rng, answer, vocabulary))
+    return SyntheticItem(family, image, QUESTIONS[family], answer, _options(rng, answer, vocabulary),
+                         facts={"color": color, "shape": kind})
 
 
 def _image_count(rng, ranges):
@@ -288,7 +293,7 @@ def _video_direction(rng, ranges):
         y0, x0 = (other, pos) if direction in ("left", "right") else (pos, other)
         _draw(video[t], kind, y0, x0, size, PALETTE[color])
     return SyntheticItem("direction", video, QUESTIONS["direction"], direction,
-                         _options(rng, direction, DIRECTIONS), fps)
+                         _options(rng, direction, DIRECTIONS), fps, facts={"color": color, "shape": kind})
 
 
 def _video_order(rng, ranges):
@@ -335,7 +340,8 @@ def _video_hidden(rng, ranges):
     for t in range(frames):
         if not a <= t < b:
             _draw(video[t], kind, y0, x0, size, PALETTE[color])
-    return SyntheticItem("hidden", video, QUESTIONS["hidden"], when, _options(rng, when, WHEN_HIDDEN), fps)
+    return SyntheticItem("hidden", video, QUESTIONS["hidden"], when, _options(rng, when, WHEN_HIDDEN), fps,
+                         facts={"color": color, "shape": kind})
 
 
 def make_item(family: str, rng: np.random.Generator, ranges: TaskRanges | None = None) -> SyntheticItem:
