@@ -31,7 +31,7 @@ import numpy as np
 
 from .generate import next_token_logits
 from .model import MODEL_INPUTS
-from .pruning.synthetic import SyntheticItem, to_task_item
+from .pruning.synthetic import PALETTE, QUESTIONS, SHAPES, SyntheticItem, draw_options, to_task_item
 from .pruning.tasks import mc_prompt
 from .testing import write_video
 
@@ -131,14 +131,12 @@ def write_sft_dataset(items: Sequence[SyntheticItem], directory: str | os.PathLi
 def _extra_items(item: SyntheticItem, rng: np.random.Generator, limit: int) -> list[SyntheticItem]:
     """Up to `limit` further questions about `item`'s media from its `facts`, as items of those families
     (same media; the shape question names "the image", so clips get the colour question only)."""
-    from .pruning import synthetic
-
     asked = [f for f in ("color", "shape") if f in item.facts and f != item.family
              and (f == "color" or item.kind == "image")]
     asked = [asked[i] for i in rng.permutation(len(asked))][:limit]
-    vocabulary = {"color": tuple(synthetic.PALETTE), "shape": synthetic.SHAPES}
-    return [dataclasses.replace(item, family=f, question=synthetic.QUESTIONS[f], answer=item.facts[f],
-                                options=synthetic._options(rng, item.facts[f], vocabulary[f]), facts={})
+    vocabulary = {"color": tuple(PALETTE), "shape": SHAPES}
+    return [dataclasses.replace(item, family=f, question=QUESTIONS[f], answer=item.facts[f],
+                                options=draw_options(rng, item.facts[f], vocabulary[f]), facts={})
             for f in asked]
 
 

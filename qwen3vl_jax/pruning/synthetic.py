@@ -37,7 +37,7 @@ from .tasks import TaskItem, option_letters
 
 __all__ = ["PALETTE", "SHAPES", "POSITIONS", "DIRECTIONS", "COUNTS", "WHEN_HIDDEN", "FAMILIES",
            "IMAGE_FAMILIES", "VIDEO_FAMILIES", "QUESTIONS", "TaskRanges", "SyntheticItem", "make_item", "make_set",
-           "hidden_gaps",
+           "hidden_gaps", "draw_options",
            "to_task_item", "write_jsonl"]
 
 # Named palette: all chromatic (max channel - min channel >= 150), pairwise RGB distance >= 75.
@@ -216,7 +216,7 @@ def _color(rng, ranges, exclude=()):
     return names[int(rng.integers(len(names)))]
 
 
-def _options(rng, answer, vocabulary):
+def draw_options(rng, answer, vocabulary):
     """The answer plus 3 distinct others drawn uniformly from `vocabulary`, in a uniform random order."""
     others = [w for w in vocabulary if w != answer]
     picked = [others[i] for i in rng.choice(len(others), size=3, replace=False)]
@@ -248,7 +248,7 @@ def _image_single(family, rng, ranges):
         answer = color if family == "color" else kind
     _draw(image, kind, y0, x0, size, PALETTE[color])
     vocabulary = {"color": ranges.palette, "shape": SHAPES, "position": POSITIONS}[family]
-    return SyntheticItem(family, image, QUESTIONS[family], answer, _options(rng, answer, vocabulary),
+    return SyntheticItem(family, image, QUESTIONS[family], answer, draw_options(rng, answer, vocabulary),
                          facts={"color": color, "shape": kind})
 
 
@@ -264,7 +264,7 @@ def _image_count(rng, ranges):
         x0 = left + 1 + int(rng.integers(0, cw - 2 - size + 1))
         _draw(image, SHAPES[int(rng.integers(len(SHAPES)))], y0, x0, size, PALETTE[_color(rng, ranges)])
     answer = str(count)
-    return SyntheticItem("count", image, QUESTIONS["count"], answer, _options(rng, answer, COUNTS))
+    return SyntheticItem("count", image, QUESTIONS["count"], answer, draw_options(rng, answer, COUNTS))
 
 
 def _clip_frame(rng, ranges):
@@ -293,7 +293,7 @@ def _video_direction(rng, ranges):
         y0, x0 = (other, pos) if direction in ("left", "right") else (pos, other)
         _draw(video[t], kind, y0, x0, size, PALETTE[color])
     return SyntheticItem("direction", video, QUESTIONS["direction"], direction,
-                         _options(rng, direction, DIRECTIONS), fps, facts={"color": color, "shape": kind})
+                         draw_options(rng, direction, DIRECTIONS), fps, facts={"color": color, "shape": kind})
 
 
 def _video_order(rng, ranges):
@@ -310,7 +310,7 @@ def _video_order(rng, ranges):
     which = "first" if rng.integers(2) == 0 else "last"
     answer = colors[0] if which == "first" else colors[-1]
     return SyntheticItem("order", video, QUESTIONS[f"order_{which}"], answer,
-                         _options(rng, answer, ranges.palette), fps)
+                         draw_options(rng, answer, ranges.palette), fps)
 
 
 def hidden_gaps(frames: int, when: str) -> list[tuple[int, int]]:
@@ -340,7 +340,7 @@ def _video_hidden(rng, ranges):
     for t in range(frames):
         if not a <= t < b:
             _draw(video[t], kind, y0, x0, size, PALETTE[color])
-    return SyntheticItem("hidden", video, QUESTIONS["hidden"], when, _options(rng, when, WHEN_HIDDEN), fps,
+    return SyntheticItem("hidden", video, QUESTIONS["hidden"], when, draw_options(rng, when, WHEN_HIDDEN), fps,
                          facts={"color": color, "shape": kind})
 
 
