@@ -374,8 +374,11 @@ def test_expert_parallel_meshes_match_one_device(moe_dirs, tmp_path):
         assert float(results[f"{mesh}/step_err"]) < 1e-4, (mesh, float(results[f"{mesh}/step_err"]))
 
 
-@pytest.mark.parametrize("method", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
-def test_quantized_experts_under_an_expert_axis_match_one_device(moe_dirs, tmp_path, method):
+@pytest.mark.parametrize("method, meshes", [
+    ("int8", ["expert=2,fsdp=2,tensor=2"]),  # the fast tier: the expert split with the fsdp gather
+    pytest.param("fp8", ["expert=8", "expert=2,fsdp=2,tensor=2"], marks=pytest.mark.slow),
+])
+def test_quantized_experts_under_an_expert_axis_match_one_device(moe_dirs, tmp_path, method, meshes):
     """Quantized experts (`moe.QuantExperts`, weights and scale grids) under `expert` meshes on 8 host
     CPU devices give the one-device quantized model's logits and greedy ids; each device holds E / n
     experts' stored weights."""
@@ -383,7 +386,6 @@ def test_quantized_experts_under_an_expert_axis_match_one_device(moe_dirs, tmp_p
     import sys
 
     out = tmp_path / "mesh.npz"
-    meshes = ["expert=8", "expert=2,fsdp=2,tensor=2"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "moe_mesh_worker.py"),
