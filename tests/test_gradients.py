@@ -167,6 +167,7 @@ def test_model_gradients_equal_torch_autograd(implementation, tiny_dir, batch, t
 
 
 @pytest.mark.needs_torch
+@pytest.mark.slow  # (the fast tier keeps the whole model's gradients against torch autograd)
 def test_prepared_inputs_give_the_vision_tower_gradients(tiny_dir, batch, jax_model):
     """`prepare_inputs(encode=False)` outside, `forward` inside the transformation: the same gradients
     as differentiating `model(...)` (the vision tower is encoded inside the differentiated function)."""

@@ -261,7 +261,7 @@ def test_greedy_generate_equals_hf(name, moe_dirs, hf_moe, batch):
 
 
 @pytest.mark.needs_torch
-@pytest.mark.parametrize("name, attention", [("mixed", "xla"), ("sparse", "xla"),
+@pytest.mark.parametrize("name, attention", [pytest.param("mixed", "xla", marks=pytest.mark.slow), ("sparse", "xla"),
                                              pytest.param("mixed", "pallas", marks=pytest.mark.slow)])
 def test_loss_and_gradients_with_aux_loss_equal_torch(name, attention, moe_dirs, hf_moe, batch):
     """HF's loss with `output_router_logits=True` (LM loss + coef x load balancing) and the gradient
@@ -374,10 +374,9 @@ def test_expert_parallel_meshes_match_one_device(moe_dirs, tmp_path):
         assert float(results[f"{mesh}/step_err"]) < 1e-4, (mesh, float(results[f"{mesh}/step_err"]))
 
 
-@pytest.mark.parametrize("method, meshes", [
-    ("int8", ["expert=2,fsdp=2,tensor=2"]),  # the fast tier: the expert split with the fsdp gather
-    pytest.param("fp8", ["expert=8", "expert=2,fsdp=2,tensor=2"], marks=pytest.mark.slow),
-])
+@pytest.mark.slow  # (the fast tier keeps the one-device quantized experts, tests/test_quant.py)
+@pytest.mark.parametrize("method, meshes", [("int8", ["expert=2,fsdp=2,tensor=2"]),
+                                            ("fp8", ["expert=8", "expert=2,fsdp=2,tensor=2"])])
 def test_quantized_experts_under_an_expert_axis_match_one_device(moe_dirs, tmp_path, method, meshes):
     """Quantized experts (`moe.QuantExperts`, weights and scale grids) under `expert` meshes on 8 host
     CPU devices give the one-device quantized model's logits and greedy ids; each device holds E / n

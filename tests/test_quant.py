@@ -84,7 +84,7 @@ def _tensors(directory):
     return {name: value for _, name, value in iter_hf_tensors(directory)}
 
 
-@pytest.mark.parametrize("scale_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("scale_dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
 def test_fp8_convert_writes_the_same_format_back(tiny_dir, tmp_path, scale_dtype):
     src = make_fp8_checkpoint(tiny_dir, tmp_path / "src", block=PARTIAL, scale_dtype=scale_dtype)
     cli(["convert", str(src), str(tmp_path / "back"), "--to", "hf", "--dtype", "float32"])

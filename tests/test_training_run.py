@@ -41,6 +41,7 @@ def run(cmd, **kw):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, **kw)
 
 
+@pytest.mark.slow  # (the fast tier keeps the resume after a refused second run, below)
 def test_killed_run_resumes_to_the_same_losses(tiny_dir, tmp_path):
     missing = json.dumps({"messages": [{"role": "user", "content": [{"type": "image", "image": "gone.jpg"}]},
                                        {"role": "assistant", "content": "x"}]})
