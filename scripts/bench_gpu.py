@@ -123,6 +123,16 @@ def _assert_triton(jax, fn, args, what, report):
         report.failures.append(f"{what}: compiled HLO has no Triton custom call (silent fallback?)")
 
 
+def _sweep_row(report, label: str, fn, args, iters: int, flops: float) -> None:
+    """One block-size sweep row: the time and TFLOP/s, or why that block size failed (e.g. shared
+    memory exhausted), reported, not raised."""
+    try:
+        t = _time(fn, args, iters)
+        report.row("sweep", label, "pallas", t, flops / t / 1e12)
+    except Exception as e:
+        report.row("sweep", label, "pallas", None, note=f"failed: {type(e).__name__}: {str(e)[:80]}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=20)
@@ -215,12 +225,7 @@ def main(argv=None) -> int:
             for bq, bk in sweep:
                 f = jax.jit(lambda q, k, v, s, bq=bq, bk=bk: attn.varlen_attention(
                     q, k, v, s, implementation="pallas", block_q=bq, block_k=bk))
-                try:
-                    t = _time(f, (q, k, v, seg), args.iters)
-                    report.row("sweep", f"{model} 1792^2 ({tokens} tok) bq{bq} bk{bk}", "pallas", t, flops / t / 1e12)
-                except Exception as e:  # e.g. shared memory exhausted at this block size: report it
-                    report.row("sweep", f"{model} 1792^2 ({tokens} tok) bq{bq} bk{bk}", "pallas", None,
-                               note=f"failed: {type(e).__name__}: {str(e)[:80]}")
+                _sweep_row(report, f"{model} 1792^2 ({tokens} tok) bq{bq} bk{bk}", f, (q, k, v, seg), args.iters, flops)
 
     # ------------------------------------------------------------------ causal prefill 4k
     for model in models:
@@ -250,12 +255,7 @@ def main(argv=None) -> int:
         for bq, bk in ([] if args.no_sweep else sweep):
             f = jax.jit(lambda q, k, v, n, bq=bq, bk=bk: attn.causal_attention(
                 q, k, v, n, implementation="pallas", block_q=bq, block_k=bk))
-            try:
-                t = _time(f, (q, k, v, n), args.iters)
-                report.row("sweep", f"prefill {case} bq{bq} bk{bk}", "pallas", t, flops / t / 1e12)
-            except Exception as e:
-                report.row("sweep", f"prefill {case} bq{bq} bk{bk}", "pallas", None,
-                           note=f"failed: {type(e).__name__}: {str(e)[:80]}")
+            _sweep_row(report, f"prefill {case} bq{bq} bk{bk}", f, (q, k, v, n), args.iters, flops)
 
     # ------------------------------------------------------------------ decode, 8k cache
     for model in models:
