@@ -129,8 +129,9 @@ class Qwen3VL(nnx.Module):
         time flat in depth). None (default): per tower, when it has >= `layers.SCAN_MIN_DEPTH` blocks
         (every full-size preset; not the tiny test model).
       remat: recompute each block's activations in the backward pass (training memory).
-      moe_implementation: the MoE models' expert matmul, "auto", "ragged" (`lax.ragged_dot`) or
-        "tiled" (a loop over expert tiles, the CPU path); see `qwen3vl_jax.moe`.
+      moe_implementation: the MoE models' expert matmul, "auto", "ragged" (`lax.ragged_dot`), "tiled"
+        (a loop over expert tiles, the CPU path) or "tokamax" (its grouped-matmul kernels: the GPU
+        path when installed); see `qwen3vl_jax.moe`.
       quantization: a `quant.QuantSpec`: which linears / experts hold quantized weights (FP8, int8,
         int4) and their block scales; None: all in `param_dtype`.
     The last five are runtime options, not architecture. A MoE config whose layers mix dense and

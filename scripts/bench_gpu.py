@@ -1,6 +1,7 @@
 """GPU benchmark and on-device correctness check of the Pallas kernels (needs a CUDA GPU).
 
     python scripts/bench_gpu.py [--iters 20] [--quick] [--no-sweep] [--json out.json]
+    python scripts/bench_gpu.py --moe [--quick]   # the MoE experts only (`bench_moe`; --quick: 30B-A3B)
     python scripts/bench_gpu.py --cpu-smoke   # tiny shapes, interpret mode: checks this script only
 
 For the 2B (vision: 16 heads x 64) and 8B (vision: 16 heads x 72, padded to 128 in the kernel)
@@ -60,6 +61,150 @@ SMOKE = dict(  # --cpu-smoke: the same code paths on shapes the CPU interpreter 
     GRIDS={"448^2": [(1, 4, 6)], "1792^2": [(1, 8, 12)], "video 8f 448^2": [(4, 2, 2)]},
     PREFILL=128, CACHE=256, SWEEP=[(16, 16), (32, 16)], ITERS=1,
 )
+
+MOE = {"30B-A3B": (2048, 768, 128, 8), "235B-A22B": (4096, 1536, 128, 8)}  # hidden, expert width, experts, top-k
+MOE_SMOKE = {"30B-A3B": (64, 32, 8, 2)}
+MOE_TOKENS = (8, 4096)  # one decode step at batch 8; a prefill chunk (the smoke run too: tiny widths)
+
+
+def bench_moe(report, shapes, iters: int, hbm: float, rng, smoke: bool = False) -> None:
+    """The routed experts (`moe.expert_ffn`, the router excluded) in bf16 at the released MoE models'
+    widths, for a decode step (8 tokens) and a prefill chunk (4,096 tokens): each implementation
+    (`"ragged"`: `lax.ragged_dot`; `"tiled"`; `"tokamax"` when installed) checked against `"ragged"`
+    and timed, beside HF's `Qwen3VLMoeTextExperts` on the same weights in torch on the same GPU (each
+    `experts_implementation` it has: "eager", "grouped_mm") when torch sees a GPU. TFLOP/s count the
+    routed rows' three products; GB/s count the weights of the experts the tokens chose (the bytes a
+    decode step must read)."""
+    import jax
+    import jax.numpy as jnp
+
+    from qwen3vl_jax import moe
+
+    implementations = ["ragged", "tiled"]
+    try:
+        moe.tokamax_module()
+        implementations.append("tokamax")
+    except ImportError as error:
+        print(f"(tokamax not installed: {error})")
+    torch = _torch_device(smoke)
+    bf16 = jnp.bfloat16
+    for model, (hidden, width, experts, k) in shapes.items():
+        gate_up = jnp.asarray(0.02 * rng.standard_normal((experts, hidden, 2 * width), np.float32), bf16)
+        down = jnp.asarray(0.02 * rng.standard_normal((experts, width, hidden), np.float32), bf16)
+        for tokens in MOE_TOKENS:
+            x = jnp.asarray(rng.standard_normal((tokens, hidden), np.float32), bf16)
+            routing = moe.route(jnp.asarray(rng.standard_normal((tokens, experts), np.float32), bf16), k)
+            flops = 2 * tokens * k * hidden * 3 * width
+            chosen = len(np.unique(np.asarray(routing.experts)))
+            weight_bytes = chosen * hidden * 3 * width * 2
+            case = f"{model} {tokens} tok"
+            args = (x, routing.experts, routing.weights, gate_up, down)
+            outputs = {}
+            for impl in implementations:
+                fn = jax.jit(lambda x, e, w, gu, d, impl=impl: moe.expert_ffn(x, moe.Routing(None, e, w), gu, d,
+                                                                               implementation=impl))
+                try:
+                    outputs[impl] = fn(*args)
+                    err = report.check(f"moe {case} {impl}", outputs[impl], outputs["ragged"], 3e-2)
+                    t = _time(fn, args, iters)
+                    lowered = fn.lower(*args).as_text().lower()
+                    kernel = "; a Mosaic GPU kernel" if "mosaic" in lowered else "; a Triton kernel" if "triton" in lowered else ""
+                    report.row("moe", case, impl, t, flops / t / 1e12, gbps=weight_bytes / t / 1e9,
+                               note=f"max|err| {err:.2g} vs ragged; {chosen} experts chosen{kernel}")
+                except Exception as e:  # a kernel that does not lower here is reported, not fatal
+                    report.row("moe", case, impl, None, note=f"failed: {type(e).__name__}: {str(e)[:100]}")
+            if "tokamax" in implementations:
+                _bench_tokamax_mosaic(report, case, x, routing, gate_up, k, iters)
+            if tokens < 64:
+                report.target(f"moe {case}: our best >= 50% of HBM (the chosen experts' weights)",
+                              weight_bytes / hbm >= 0.5 * _best(report, "moe", case),
+                              f"{weight_bytes / 1e6:.0f} MB of weights, floor {weight_bytes / hbm * 1e6:.1f} us")
+            if torch is not None:
+                _bench_hf_experts(report, torch, case, args, outputs["ragged"], flops, weight_bytes, iters)
+
+
+def _bench_tokamax_mosaic(report, case, x, routing, gate_up, k, iters) -> None:
+    """The first product alone (`[T*K, H] x [E, H, 2I]`, rows sorted by expert) through tokamax's
+    Mosaic GPU kernel forced, beside `lax.ragged_dot`: whether that kernel lowers here, and its speed
+    (the `"tokamax"` rows above let tokamax choose, and fall back to XLA where Mosaic declines)."""
+    import jax
+    import jax.numpy as jnp
+
+    from qwen3vl_jax import moe
+
+    rows = jnp.repeat(x, k, axis=0)[jnp.argsort(routing.experts.reshape(-1), stable=True)]
+    sizes = jnp.bincount(routing.experts.reshape(-1), length=gate_up.shape[0]).astype(jnp.int32)
+    flops = 2 * rows.shape[0] * gate_up.shape[1] * gate_up.shape[2]
+    ragged_dot = moe.tokamax_module().ragged_dot
+    candidates = {"lax": lambda r, w, g: jax.lax.ragged_dot(r, w, g, preferred_element_type=jnp.float32),
+                  "mosaic": lambda r, w, g: ragged_dot(r, w, g, preferred_element_type=jnp.float32,
+                                                       implementation="mosaic")}
+    expected = None
+    for name, fn in candidates.items():
+        fn = jax.jit(fn)
+        try:
+            out = fn(rows, gate_up, sizes)
+            expected = out if expected is None else expected
+            err = report.check(f"moe {case} gate_up {name}", out, expected, 3e-2)
+            t = _time(fn, (rows, gate_up, sizes), iters)
+            report.row("moe-gemm", case, name, t, flops / t / 1e12, note=f"gate_up product only; max|err| {err:.2g}")
+        except Exception as e:
+            report.row("moe-gemm", case, name, None, note=f"failed: {type(e).__name__}: {str(e)[:160]}")
+
+
+def _best(report, op, case) -> float:
+    times = [r["ms"] for r in report.rows if r["op"] == op and r["case"] == case and r["ms"] is not None]
+    return min(times) / 1e3 if times else float("inf")
+
+
+def _torch_device(smoke: bool):
+    """`(torch, device)`: torch on the GPU (on the CPU under --cpu-smoke), or None without it."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if smoke:
+        return torch, "cpu"
+    return (torch, "cuda") if torch.cuda.is_available() else None
+
+
+def _bench_hf_experts(report, torch_device, case, args, expected, flops, weight_bytes, iters) -> None:
+    """HF's experts module on the same weights and routing, in torch on the GPU (see bench_moe)."""
+    from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as hf
+
+    torch, device = torch_device
+    x, chosen, weights, gate_up, down = (torch.from_numpy(np.array(a.astype("float32"))).to(device) for a in args)
+    x, weights = x.bfloat16(), weights.bfloat16()
+    experts, hidden, width = gate_up.shape[0], gate_up.shape[1], down.shape[1]
+    for impl in ("eager", "grouped_mm"):
+        try:
+            config = hf.Qwen3VLMoeTextConfig(hidden_size=hidden, moe_intermediate_size=width, num_experts=experts,
+                                             num_experts_per_tok=chosen.shape[1], experts_implementation=impl)
+            module = hf.Qwen3VLMoeTextExperts(config).to(device).bfloat16()
+            with torch.no_grad():  # our [E, H, 2I] / [E, I, H] into the module's layout, whichever it holds
+                for name, ours in (("gate_up_proj", gate_up), ("down_proj", down)):
+                    param = getattr(module, name)
+                    param.copy_(ours if param.shape == ours.shape else ours.transpose(1, 2))
+
+            def run():
+                with torch.no_grad():
+                    return module(x, chosen.long(), weights)
+
+            out = run().float().cpu().numpy()
+            err = report.check(f"moe {case} hf {impl}", out, expected, 3e-2)
+            for _ in range(2):
+                run()
+            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+            sync()
+            start = time.perf_counter()
+            for _ in range(iters):
+                run()
+            sync()
+            t = (time.perf_counter() - start) / iters
+            report.row("moe", case, f"hf-{impl}", t, flops / t / 1e12, gbps=weight_bytes / t / 1e9,
+                       note=f"max|err| {err:.2g} vs ragged")
+        except Exception as e:
+            report.row("moe", case, f"hf-{impl}", None, note=f"failed: {type(e).__name__}: {str(e)[:100]}")
 
 
 def _fail_without_gpu(jax, smoke: bool):
@@ -139,6 +284,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="2B shapes and the 448/1792 images only")
     parser.add_argument("--no-sweep", action="store_true", help="skip the block-size sweep")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--moe", action="store_true", help="only the MoE expert matmuls (see bench_moe)")
     parser.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -161,6 +307,9 @@ def main(argv=None) -> int:
     print(f"jax {jax.__version__} on {kind} ({jax.device_count()} device(s)); HBM peak used: {hbm / 1e12:.2f} TB/s\n")
     report = Report()
     rng = np.random.default_rng(0)
+    if args.moe:
+        bench_moe(report, MOE_SMOKE if args.cpu_smoke else {"30B-A3B": MOE["30B-A3B"]} if args.quick else MOE, args.iters, hbm, rng, args.cpu_smoke)
+        return _finish(report, args, kind, jax)
     models = ["2B"] if args.quick else list(vision)
     images = ["448^2", "1792^2"] if args.quick else list(image_cases)
     bf16 = jnp.bfloat16
@@ -314,6 +463,11 @@ def main(argv=None) -> int:
             report.target(f"pos_embed {case} <= 2x output write", t_p <= 2 * floor,
                           f"pallas {t_p * 1e6:.1f} us, xla {t_x * 1e6:.1f} us, write floor {floor * 1e6:.1f} us")
 
+    return _finish(report, args, kind, jax)
+
+
+def _finish(report, args, kind, jax) -> int:
+    """Print the targets, write the JSON rows, and the exit status (1 on any correctness failure)."""
     print("\nTargets:")
     for t in report.targets:
         print(f"  [{'met ' if t['ok'] else 'MISS'}] {t['what']}: {t['detail']}")
@@ -326,7 +480,6 @@ def main(argv=None) -> int:
         return 1
     print("\nAll on-device correctness checks passed.")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
