@@ -70,7 +70,8 @@ def test_aligned_block(rows, length, block, expected):
     assert got % rows == 0 or rows % got == 0 or rows == 1031
 
 
-@pytest.mark.parametrize("frames,rows,hint", [(4, 40, 40), (3, 24, 24), (5, 20, 20), (4, 40, 24), (4, 40, 0)])
+@pytest.mark.parametrize("frames,rows,hint", [(4, 40, 40), pytest.param(3, 24, 24, marks=pytest.mark.slow),
+                                              pytest.param(5, 20, 20, marks=pytest.mark.slow), (4, 40, 24), (4, 40, 0)])
 def test_segment_rows_hint_changes_work_not_result(frames, rows, hint):
     """Equal frames (and trailing padding) with the block layout aligned by the hint, a wrong hint and
     none: all equal the dense oracle, and so do their gradients; the right hint visits fewer pairs."""

@@ -30,6 +30,7 @@ def test_warmup_compiles_each_budget_once(runner):
     assert runner.num_compiles == 3
 
 
+@pytest.mark.slow  # (the fast tier keeps one compile per budget, the split input and the edited weights)
 def test_random_mixes_cause_no_compilation_and_match_unbucketed(runner, jax_model):
     rng = np.random.default_rng(0)
     compiles = runner.num_compiles

@@ -261,6 +261,7 @@ def test_the_trainer_refuses_adapters_that_are_all_frozen(jax_model):
     Trainer(model, OptimConfig(freeze=("vision",)), trainable=lora_lib.LoRAWeight)  # this one trains
 
 
+@pytest.mark.slow  # (the fast tier keeps the non-finite loss and the full disk stopping a run cleanly)
 def test_killed_between_a_metrics_line_and_its_checkpoint(tiny_dir, tmp_path):
     """The metrics line of update 3 is on disk, its checkpoint not (what a kill between the two
     leaves): the resume drops that line, recomputes update 3, and the file equals an uninterrupted run's."""

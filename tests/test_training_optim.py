@@ -156,6 +156,7 @@ def test_parts_and_bad_names():
     assert decays("language_model.embed_tokens.embedding") and decays("visual.merger.linear_fc1.kernel")
 
 
+@pytest.mark.slow  # (the Trainer's tests use the same transformation on the model in the fast tier)
 def test_works_as_an_nnx_optimizer(tiny_dir):
     """The same transformation drives `nnx.Optimizer` on the model's own state tree (Variables, not
     a pure dict): the frozen vision tower stays put, the merger and language model move."""

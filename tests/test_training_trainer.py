@@ -105,17 +105,13 @@ def test_lora_steps_train_only_the_adapters(tiny_dir, batch):
         np.testing.assert_array_equal(np.asarray(v), base[k], err_msg=k)
 
 
-def test_remat_and_bf16_compute_with_f32_master_weights(tiny_dir, batch):
-    """`remat` changes memory, not numbers; bf16 compute keeps f32 parameters, gradients and optimizer
-    state, with a loss near the f32 one."""
+def test_bf16_compute_keeps_f32_master_weights(tiny_dir, batch):
+    """bf16 compute keeps f32 parameters, gradients and optimizer state, with a loss near the f32 one.
+    (That `remat` changes memory, not gradients: tests/test_layer_stacks.py.)"""
     import jax.numpy as jnp
 
-    flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])  # noqa: E731
     config = OptimConfig(learning_rate=1e-3, freeze=("vision",))
-    loss, grads = Trainer(Qwen3VL.from_pretrained(tiny_dir), config).gradients([batch])
-    remat_loss, remat_grads = Trainer(Qwen3VL.from_pretrained(tiny_dir, remat=True), config).gradients([batch])
-    assert remat_loss == pytest.approx(loss, rel=1e-6)
-    assert_close(flat(remat_grads), flat(grads), "f32_logits", "remat gradients")
+    loss = float(causal_lm_loss(Qwen3VL.from_pretrained(tiny_dir), batch))
 
     mixed = Qwen3VL.from_pretrained(tiny_dir, dtype=jnp.bfloat16, param_dtype=jnp.float32)
     trainer = Trainer(mixed, config)
@@ -126,6 +122,7 @@ def test_remat_and_bf16_compute_with_f32_master_weights(tiny_dir, batch):
     assert {x.dtype for x in jax.tree.leaves(trainer.state())} <= {np.dtype(np.float32), np.dtype(np.int32)}
 
 
+@pytest.mark.slow  # (the fast tier keeps the accumulation against HF's token mean, above)
 def test_one_program_step_equals_accumulate_then_update(tiny_dir, batch):
     """`step` with one micro-batch (gradient and AdamW in one jitted program) moves the parameters as
     the two-program path does: two copies of the batch, accumulated, have the same token mean."""
