@@ -58,8 +58,8 @@ from .params import EXPERT, FSDP
 from .quant import EXPERTS_KIND, QTensor, QuantSpec, qdot, scale_shape, storage_dtype, storage_shape
 from .sharding import BATCH
 
-__all__ = ["MOE_IMPLEMENTATIONS", "Routing", "tokamax_module", "resolve_implementation", "route", "expert_ffn", "expert_parallel", "tile_rows", "MoEBlock",
-           "load_balancing_loss"]
+__all__ = ["MOE_IMPLEMENTATIONS", "Routing", "tokamax_module", "tokamax_installed", "resolve_implementation",
+           "route", "expert_ffn", "expert_parallel", "tile_rows", "MoEBlock", "load_balancing_loss"]
 
 MOE_IMPLEMENTATIONS = ("auto", "ragged", "tiled", "tokamax")
 
@@ -128,7 +128,8 @@ def tokamax_module():
 
 
 @functools.cache
-def _tokamax_installed() -> bool:
+def tokamax_installed() -> bool:
+    """Whether the `"tokamax"` implementation can run here (tokamax imports)."""
     try:
         tokamax_module()
     except ImportError:
@@ -144,7 +145,7 @@ def resolve_implementation(implementation: str) -> str:
         return implementation
     if jax.default_backend() == "cpu":
         return "tiled"
-    return "tokamax" if _tokamax_installed() else "ragged"
+    return "tokamax" if tokamax_installed() else "ragged"
 
 
 def _ragged_ffn(x, experts, gate_up, down, local, *, library: bool = False):

@@ -62,7 +62,8 @@ SMOKE = dict(  # --cpu-smoke: the same code paths on shapes the CPU interpreter 
     PREFILL=128, CACHE=256, SWEEP=[(16, 16), (32, 16)], ITERS=1,
 )
 
-MOE = {"30B-A3B": (2048, 768, 128, 8), "235B-A22B": (4096, 1536, 128, 8)}  # hidden, expert width, experts, top-k
+# hidden, expert width, experts, top-k
+MOE = {"30B-A3B": (2048, 768, 128, 8), "235B-A22B": (4096, 1536, 128, 8)}
 MOE_SMOKE = {"30B-A3B": (64, 32, 8, 2)}
 MOE_TOKENS = (8, 4096)  # one decode step at batch 8; a prefill chunk (the smoke run too: tiny widths)
 
@@ -80,12 +81,9 @@ def bench_moe(report, shapes, iters: int, hbm: float, rng, smoke: bool = False) 
 
     from qwen3vl_jax import moe
 
-    implementations = ["ragged", "tiled"]
-    try:
-        moe.tokamax_module()
-        implementations.append("tokamax")
-    except ImportError as error:
-        print(f"(tokamax not installed: {error})")
+    implementations = ["ragged", "tiled"] + (["tokamax"] if moe.tokamax_installed() else [])
+    if not moe.tokamax_installed():
+        print("(tokamax not installed: pip install 'qwen3vl-jax[tokamax]', Python >= 3.12)")
     torch = _torch_device(smoke)
     bf16 = jnp.bfloat16
     for model, (hidden, width, experts, k) in shapes.items():
@@ -108,7 +106,8 @@ def bench_moe(report, shapes, iters: int, hbm: float, rng, smoke: bool = False) 
                     err = report.check(f"moe {case} {impl}", outputs[impl], outputs["ragged"], 3e-2)
                     t = _time(fn, args, iters)
                     lowered = fn.lower(*args).as_text().lower()
-                    kernel = "; a Mosaic GPU kernel" if "mosaic" in lowered else "; a Triton kernel" if "triton" in lowered else ""
+                    kernel = next((f"; a {name} kernel" for key, name in (("mosaic", "Mosaic GPU"), ("triton", "Triton"))
+                                   if key in lowered), "")
                     report.row("moe", case, impl, t, flops / t / 1e12, gbps=weight_bytes / t / 1e9,
                                note=f"max|err| {err:.2g} vs ragged; {chosen} experts chosen{kernel}")
                 except Exception as e:  # a kernel that does not lower here is reported, not fatal
@@ -147,7 +146,8 @@ def _bench_tokamax_mosaic(report, case, x, routing, gate_up, k, iters) -> None:
             expected = out if expected is None else expected
             err = report.check(f"moe {case} gate_up {name}", out, expected, 3e-2)
             t = _time(fn, (rows, gate_up, sizes), iters)
-            report.row("moe-gemm", case, name, t, flops / t / 1e12, note=f"gate_up product only; max|err| {err:.2g}")
+            report.row("moe-gemm", case, name, t, flops / t / 1e12,
+                       note=f"gate_up product only; max|err| {err:.2g}")
         except Exception as e:
             report.row("moe-gemm", case, name, None, note=f"failed: {type(e).__name__}: {str(e)[:160]}")
 
@@ -308,7 +308,8 @@ def main(argv=None) -> int:
     report = Report()
     rng = np.random.default_rng(0)
     if args.moe:
-        bench_moe(report, MOE_SMOKE if args.cpu_smoke else {"30B-A3B": MOE["30B-A3B"]} if args.quick else MOE, args.iters, hbm, rng, args.cpu_smoke)
+        shapes = MOE_SMOKE if args.cpu_smoke else {"30B-A3B": MOE["30B-A3B"]} if args.quick else MOE
+        bench_moe(report, shapes, args.iters, hbm, rng, args.cpu_smoke)
         return _finish(report, args, kind, jax)
     models = ["2B"] if args.quick else list(vision)
     images = ["448^2", "1792^2"] if args.quick else list(image_cases)

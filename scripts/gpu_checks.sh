@@ -22,7 +22,7 @@ bench=$?
 timeout -s INT -k 20 150 python3 scripts/bench_gpu.py --moe --quick --json "$OUT/moe.json" 2>&1 \
     | grep -v "^WARNING:absl" | tee "$OUT/moe.log"
 moe=$?
-timeout -s INT -k 20 "${2:-240}" python3 -m pytest -v -p no:cacheprovider -W ignore::DeprecationWarning -rf --tb=short \
+timeout -s INT -k 20 "${2:-240}" python3 -m pytest -v -m "slow or not slow" -p no:cacheprovider -W ignore::DeprecationWarning -rf --tb=short \
     tests/test_kernels.py tests/test_kernels_model.py 2>&1 | tee "$OUT/pytest.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error"
 tests=$?
 echo "bench_gpu exit $bench, bench_gpu --moe exit $moe, pytest exit $tests (124: stopped at its time limit)"

@@ -275,6 +275,7 @@ main(['convert', *sys.argv[2:]])
 """
 
 
+@pytest.mark.slow  # (tests/test_convert.py keeps a SIGKILL after the Orbax commit in the fast tier)
 def test_sigkill_between_tensors_leaves_no_checkpoint_and_a_rerun_succeeds(tiny_dir, tmp_path):
     """SIGKILLed half way through the tensors, in each direction: nothing under the target's name
     (only a hidden temporary directory), and converting again into the same target works."""

@@ -21,6 +21,9 @@ from pallas_kernels.pos_embed import api as pos_api
 from pallas_kernels.pos_embed import reference as pos_ref
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+# The attention kernels' bfloat16 cases repeat the float32 ones' code paths at a coarser tolerance: in
+# the slow tier on a CPU (the suite's budget); scripts/gpu_checks.sh runs both tiers on a GPU.
+KERNEL_DTYPES = [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)]
 
 
 def _report(what, ours, ref, dtype):
@@ -125,13 +128,13 @@ def _varlen_case(case, dtype, dim, heads=2):
 
 
 @pytest.mark.parametrize("case", list(SEGMENTS))
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_varlen(case, dtype):
     _varlen_case(case, dtype, dim=72)  # 72 -> padded to 128 inside the api
 
 
 @pytest.mark.parametrize("dim", [16, 64, 128])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_varlen_head_dims(dim, dtype):
     _varlen_case("uneven", dtype, dim)
 
@@ -174,7 +177,7 @@ def test_segment_intervals():
 
 
 @pytest.mark.parametrize("groups", [1, 2, 4, 8])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_causal_gqa(groups, dtype):
     rng = np.random.default_rng(groups)
     b, size, kv_heads, dim = 2, 100, 1, 128
@@ -213,7 +216,7 @@ def test_causal_stops_at_the_diagonal():
 
 
 @pytest.mark.parametrize("cache", [16, 300, 1024])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_decode_cache_lengths(cache, dtype):
     rng = np.random.default_rng(cache)
     b, kv_heads, heads, dim = 4, 2, 8, 128

@@ -24,7 +24,8 @@ from qwen3vl_jax import Qwen3VL
 from qwen3vl_jax.config import ConfigError, Qwen3VLConfig, preset
 from qwen3vl_jax.convert import convert_checkpoint, iter_hf_tensors
 from qwen3vl_jax.model import MODEL_INPUTS, canonical_params, expected_params
-from qwen3vl_jax.moe import Routing, expert_ffn, load_balancing_loss, resolve_implementation, route, tile_rows, tokamax_module
+from qwen3vl_jax.moe import (Routing, expert_ffn, load_balancing_loss, resolve_implementation, route, tile_rows,
+                             tokamax_installed)
 from qwen3vl_jax.params import CheckpointError, ours_to_hf_name
 from qwen3vl_jax.testing import make_tiny_checkpoint
 from qwen3vl_jax.training.loss import causal_lm_loss
@@ -81,18 +82,10 @@ def _dense_reference(x, experts, weights, gate_up, down):
     return out
 
 
-def _tokamax_installed() -> bool:
-    try:
-        tokamax_module()
-    except ImportError:
-        return False
-    return True
-
-
 # tokamax needs Python >= 3.12: the second CI lane installs it (the `tokamax` extra). On a CPU it
 # runs its XLA kernel: this checks our use of it (sorted rows, group sizes, rows of other experts);
 # its Mosaic GPU kernel was checked against "ragged" on an H200 by scripts/bench_gpu.py --moe.
-TOKAMAX = pytest.param("tokamax", marks=pytest.mark.skipif(not _tokamax_installed(), reason="tokamax not installed"))
+TOKAMAX = pytest.param("tokamax", marks=pytest.mark.skipif(not tokamax_installed(), reason="tokamax not installed"))
 
 
 @pytest.mark.parametrize("tokens", [3, 200])  # one row per tile (decoding), and tiles of many rows
@@ -122,7 +115,7 @@ def test_grouped_matmul_equals_per_token_reference(tokens, implementation):
 
 def test_implementation_choice():
     assert resolve_implementation("auto") == ("tiled" if jax.default_backend() == "cpu" else
-                                              "tokamax" if _tokamax_installed() else "ragged")
+                                              "tokamax" if tokamax_installed() else "ragged")
     assert resolve_implementation("ragged") == "ragged"
     with pytest.raises(ValueError, match="moe implementation must be one of .*'grouped'"):
         resolve_implementation("grouped")
