@@ -111,6 +111,13 @@ def test_grouped_matmul_equals_per_token_reference(tokens, implementation):
               for a, b in ((0, 2), (2, 5))]
     np.testing.assert_allclose(np.asarray(halves[0] + halves[1]), ref, rtol=1e-5, atol=1e-5)
     assert tile_rows(tokens * k, e) == (1 if tokens * k < 4 * e else 64)
+    if implementation == "tokamax":  # training through it: its gradients are the spec's
+        def loss(impl):
+            return lambda x, gu, d: jnp.sum(jnp.sin(expert_ffn(x, routing, gu, d, implementation=impl)))
+
+        ours, spec = (jax.grad(loss(impl), argnums=(0, 1, 2))(x, gate_up, down) for impl in ("tokamax", "ragged"))
+        for a, b, name in zip(ours, spec, ("x", "gate_up", "down")):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 def test_implementation_choice():
