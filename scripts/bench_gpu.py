@@ -81,8 +81,10 @@ def bench_moe(report, shapes, iters: int, hbm: float, rng, smoke: bool = False) 
 
     from qwen3vl_jax import moe
 
-    implementations = ["ragged", "tiled"] + (["tokamax"] if moe.tokamax_installed() else [])
-    if not moe.tokamax_installed():
+    implementations = ["ragged", "tiled"]
+    if moe.tokamax_installed():
+        implementations.append("tokamax")
+    else:
         print("(tokamax not installed: pip install 'qwen3vl-jax[tokamax]', Python >= 3.12)")
     torch = _torch_device(smoke)
     bf16 = jnp.bfloat16
@@ -192,15 +194,7 @@ def _bench_hf_experts(report, torch_device, case, args, expected, flops, weight_
 
             out = run().float().cpu().numpy()
             err = report.check(f"moe {case} hf {impl}", out, expected, 3e-2)
-            for _ in range(2):
-                run()
-            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-            sync()
-            start = time.perf_counter()
-            for _ in range(iters):
-                run()
-            sync()
-            t = (time.perf_counter() - start) / iters
+            t = _time(run, (), iters, wait=lambda _: torch.cuda.synchronize() if device == "cuda" else None)
             report.row("moe", case, f"hf-{impl}", t, flops / t / 1e12, gbps=weight_bytes / t / 1e9,
                        note=f"max|err| {err:.2g} vs ragged")
         except Exception as e:
@@ -218,18 +212,21 @@ def _fail_without_gpu(jax, smoke: bool):
         sys.exit(2)
 
 
-def _time(fn, args, iters: int) -> float:
-    """Median seconds per call over 3 rounds of `iters` back-to-back calls (after 2 warm-ups)."""
+def _time(fn, args, iters: int, wait=None) -> float:
+    """Median seconds per call over 3 rounds of `iters` back-to-back calls (after 2 warm-ups);
+    `wait(out)` blocks until the device is done (default `jax.block_until_ready`; torch passes its
+    own, so that HF's rows are timed the same way)."""
     import jax
 
+    wait = wait or jax.block_until_ready
     for _ in range(2):
-        jax.block_until_ready(fn(*args))
+        wait(fn(*args))
     rounds = []
     for _ in range(3):
         start = time.perf_counter()
         for _ in range(iters):
             out = fn(*args)
-        jax.block_until_ready(out)
+        wait(out)
         rounds.append((time.perf_counter() - start) / iters)
     return statistics.median(rounds)
 
@@ -481,6 +478,7 @@ def _finish(report, args, kind, jax) -> int:
         return 1
     print("\nAll on-device correctness checks passed.")
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
