@@ -22,11 +22,13 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # JAX's persistent compilation cache, one fresh directory per pytest run (so a run never reuses an
 # earlier run's executables and CI's time stays a fresh machine's), deleted at the end. Tests that
 # build the same program again (a new model object, a new jit wrapper, a subprocess: the sharding
-# worker, the CLI, the notebooks, which inherit the directory through the environment) load it
-# instead of compiling. `QWEN3VL_JAX_TEST_CACHE=off` runs without it.
+# worker, the CLI, the notebooks, which inherit the directory through the
+# environment) load it instead of compiling. `QWEN3VL_JAX_TEST_CACHE=off` runs without it;
+# `QWEN3VL_JAX_TEST_CACHE=<directory>` keeps it there (created if missing, never deleted): .ci/run
+# gives its fast and slow tiers one directory, so the slow tier loads what the fast tier compiled.
 _CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": None, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-_CACHE_DIR = pytest.StashKey[tuple]()  # (the directory, the environment it replaced)
+_CACHE_DIR = pytest.StashKey[tuple]()  # (directory, whether this run deletes it, the environment it replaced)
 _cache_events: dict[str, int] = {}
 
 # The torch-free lane (`QWEN3VL_JAX_LANE=torch-free`, run by .ci/run on the newest jax, where the
@@ -49,10 +51,15 @@ def _count_cache_event(event: str, **_) -> None:
 
 
 def pytest_configure(config):
-    if os.environ.get("QWEN3VL_JAX_TEST_CACHE") == "off":
+    setting = os.environ.get("QWEN3VL_JAX_TEST_CACHE", "")
+    if setting == "off":
         return
-    directory = tempfile.mkdtemp(prefix="qwen3vl-jax-xla-cache-")
-    config.stash[_CACHE_DIR] = (directory, {k: os.environ.get(k) for k in _CACHE_ENV})
+    if setting:
+        directory, owned = os.path.abspath(setting), False
+        os.makedirs(directory, exist_ok=True)
+    else:
+        directory, owned = tempfile.mkdtemp(prefix="qwen3vl-jax-xla-cache-"), True
+    config.stash[_CACHE_DIR] = (directory, owned, {k: os.environ.get(k) for k in _CACHE_ENV})
     os.environ.update({k: v or directory for k, v in _CACHE_ENV.items()})
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -61,7 +68,7 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    directory, saved = config.stash.get(_CACHE_DIR, (None, {}))
+    directory, owned, saved = config.stash.get(_CACHE_DIR, (None, False, {}))
     if directory is None:
         return
     for key, value in saved.items():
@@ -69,7 +76,8 @@ def pytest_unconfigure(config):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-    shutil.rmtree(directory, ignore_errors=True)
+    if owned:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def pytest_ignore_collect(collection_path, config):
