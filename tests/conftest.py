@@ -45,12 +45,42 @@ _TORCH_FIXTURES = {"hf_model", "hf_processor"}
 _left_out: set[str] = set()  # pytest may ask about a file more than once
 
 
+# Compilation time per test (this process only: subprocesses are not seen): JAX's tracing, lowering
+# and XLA compile durations, charged to the test running when they happen. The summary prints the
+# total, and with `QWEN3VL_JAX_TEST_COMPILE_REPORT=N` the N tests that spent the most (what to look at
+# first when the suite outgrows its budget: about three quarters of the fast tier is compilation).
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+_compile_seconds: dict[str, float] = {}
+_current_test = ["(collection)"]
+
+
+def _charge_compile_time(event: str, duration: float, **_) -> None:
+    if event in _COMPILE_EVENTS:
+        _compile_seconds[_current_test[0]] = _compile_seconds.get(_current_test[0], 0.0) + duration
+
+
+monitoring.register_event_duration_secs_listener(_charge_compile_time)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current_test[0] = item.nodeid
+    try:
+        return (yield)
+    finally:
+        _current_test[0] = "(between tests)"
+
+
 def _count_cache_event(event: str, **_) -> None:
     if event.startswith("/jax/compilation_cache/cache_"):
         _cache_events[event] = _cache_events.get(event, 0) + 1
 
 
 def pytest_configure(config):
+    report = os.environ.get("QWEN3VL_JAX_TEST_COMPILE_REPORT", "")
+    if report and not report.isdigit():
+        raise pytest.UsageError(f"QWEN3VL_JAX_TEST_COMPILE_REPORT must be a number of tests, got {report!r}")
     setting = os.environ.get("QWEN3VL_JAX_TEST_CACHE", "")
     if setting == "off":
         return
@@ -108,6 +138,14 @@ def pytest_terminal_summary(terminalreporter):
         hits = _cache_events.get("/jax/compilation_cache/cache_hits", 0)
         misses = _cache_events.get("/jax/compilation_cache/cache_misses", 0)
         terminalreporter.write_line(f"persistent compilation cache (this process): {hits} hits, {misses} compiles")
+    if _compile_seconds:
+        terminalreporter.write_line(f"tracing, lowering and compiling (this process): "
+                                    f"{sum(_compile_seconds.values()):.0f} s")
+    report = os.environ.get("QWEN3VL_JAX_TEST_COMPILE_REPORT", "")
+    if report:
+        terminalreporter.write_sep("=", f"the {report} tests that spent the most time compiling")
+        for nodeid, seconds in sorted(_compile_seconds.items(), key=lambda kv: -kv[1])[:int(report)]:
+            terminalreporter.write_line(f"{seconds:7.1f} s  {nodeid}")
     if TORCH_FREE_LANE:
         terminalreporter.write_sep("=", f"torch-free lane: {len(_left_out)} left out (not run, not passed)")
         for line in sorted(_left_out):
