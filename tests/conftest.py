@@ -22,8 +22,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # JAX's persistent compilation cache, one fresh directory per pytest run (so a run never reuses an
 # earlier run's executables and CI's time stays a fresh machine's), deleted at the end. Tests that
 # build the same program again (a new model object, a new jit wrapper, a subprocess: the sharding
-# worker, the CLI, the notebooks, which inherit the directory through the
-# environment) load it instead of compiling. `QWEN3VL_JAX_TEST_CACHE=off` runs without it;
+# worker, the CLI, the notebooks, which inherit the directory through the environment) load it
+# instead of compiling. `QWEN3VL_JAX_TEST_CACHE=off` runs without it;
 # `QWEN3VL_JAX_TEST_CACHE=<directory>` keeps it there (created if missing, never deleted): .ci/run
 # gives its fast and slow tiers one directory, so the slow tier loads what the fast tier compiled.
 _CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": None, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
@@ -53,6 +53,7 @@ _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/
                    "/jax/core/compile/backend_compile_duration")
 _compile_seconds: dict[str, float] = {}
 _current_test = ["(collection)"]
+_COMPILE_REPORT = pytest.StashKey[int]()  # how many tests the summary lists (0: none)
 
 
 def _charge_compile_time(event: str, duration: float, **_) -> None:
@@ -81,6 +82,7 @@ def pytest_configure(config):
     report = os.environ.get("QWEN3VL_JAX_TEST_COMPILE_REPORT", "")
     if report and not report.isdigit():
         raise pytest.UsageError(f"QWEN3VL_JAX_TEST_COMPILE_REPORT must be a number of tests, got {report!r}")
+    config.stash[_COMPILE_REPORT] = int(report or 0)
     setting = os.environ.get("QWEN3VL_JAX_TEST_CACHE", "")
     if setting == "off":
         return
@@ -141,10 +143,10 @@ def pytest_terminal_summary(terminalreporter):
     if _compile_seconds:
         terminalreporter.write_line(f"tracing, lowering and compiling (this process): "
                                     f"{sum(_compile_seconds.values()):.0f} s")
-    report = os.environ.get("QWEN3VL_JAX_TEST_COMPILE_REPORT", "")
+    report = terminalreporter.config.stash.get(_COMPILE_REPORT, 0)
     if report:
         terminalreporter.write_sep("=", f"the {report} tests that spent the most time compiling")
-        for nodeid, seconds in sorted(_compile_seconds.items(), key=lambda kv: -kv[1])[:int(report)]:
+        for nodeid, seconds in sorted(_compile_seconds.items(), key=lambda kv: -kv[1])[:report]:
             terminalreporter.write_line(f"{seconds:7.1f} s  {nodeid}")
     if TORCH_FREE_LANE:
         terminalreporter.write_sep("=", f"torch-free lane: {len(_left_out)} left out (not run, not passed)")
