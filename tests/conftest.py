@@ -153,6 +153,18 @@ def pytest_terminal_summary(terminalreporter):
         for line in sorted(_left_out):
             terminalreporter.write_line(line)
 
+def load_script(name: str):
+    """The module of `scripts/<name>.py` (the scripts are not a package), loaded afresh."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # One tolerance table for every parity check: name -> (atol, rtol) applied as
 # |ours - ref| <= atol + rtol * |ref|.
 TOLERANCES = {

@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import load_script
 
 from qwen3vl_jax import pruning
 from qwen3vl_jax.processing import Qwen3VLProcessor
@@ -235,14 +236,7 @@ def test_in_llm_methods_in_the_ablation(jax_model, processor, tmp_path):
 
 
 def _script():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "ablate_pruning.py"
-    spec = importlib.util.spec_from_file_location("ablate_pruning", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("ablate_pruning")
 
 
 def test_script_synthetic_run_and_bad_dataset(tiny_dir, tmp_path, capsys):

@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import jax
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_gpu.py"
+from conftest import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_gpu")
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the no-GPU refusal")
