@@ -31,12 +31,13 @@ import numpy as np
 
 from .generate import next_token_logits
 from .model import MODEL_INPUTS
-from .pruning.synthetic import PALETTE, QUESTIONS, SHAPES, SyntheticItem, draw_options, to_task_item
-from .pruning.tasks import mc_prompt
+from .pruning.synthetic import (COUNTS, DIRECTIONS, PALETTE, POSITIONS, QUESTIONS, SHAPES, WHEN_HIDDEN, SyntheticItem,
+                                draw_options, to_task_item)
+from .pruning.tasks import mc_prompt, option_letters
 from .testing import write_video
 
 __all__ = ["DEFAULT_MODEL_DIR", "FORMS", "TRAIN_SEED", "WARM_SEED", "default_checkpoint", "item_prompt", "item_inputs",
-           "write_sft_dataset", "Scored", "evaluate", "accuracy"]
+           "write_sft_dataset", "letter_drill", "ANSWER_WORDS", "Scored", "evaluate", "accuracy"]
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
 FORMS = ("mc", "open")
@@ -85,7 +86,8 @@ def item_inputs(processor, item: SyntheticItem, form: str = "open") -> dict:
 
 
 def write_sft_dataset(items: Sequence[SyntheticItem], directory: str | os.PathLike, *, mc_fraction: float = 0.5,
-                      seed: int = 0, name: str = "train.jsonl", extra_questions: int = 0) -> str:
+                      seed: int = 0, name: str = "train.jsonl", extra_questions: int = 0,
+                      letter_drills: int = 0) -> str:
     """A fine-tuning JSONL (`training.SFTDataset`'s format) under `directory` with the media beside it:
     each item one conversation, its multiple-choice form (answered with the letter) with probability
     `mc_fraction`, else its open form (answered with the word). Images are PNG, clips lossless `.mov`
@@ -94,7 +96,10 @@ def write_sft_dataset(items: Sequence[SyntheticItem], directory: str | os.PathLi
     `extra_questions` > 0: after the item's own question, up to that many further user/assistant turns
     about the same media, from the item's `facts` (`color` and, for images, `shape`; in a random
     order), each in a form drawn like the first, its options drawn as `synthetic` draws them. So one
-    vision forward supervises several answers. 0 (the default) writes exactly what it always wrote."""
+    vision forward supervises several answers. 0 (the default) writes exactly what it always wrote.
+
+    `letter_drills` > 0: that many text-only conversations more (`letter_drill`), after the items, that
+    ask for the letter of the option naming a given word: the multiple-choice answer format alone."""
     from PIL import Image
 
     if not 0 <= mc_fraction <= 1:
@@ -121,11 +126,31 @@ def write_sft_dataset(items: Sequence[SyntheticItem], directory: str | os.PathLi
                 messages += [{"role": "user", "content": [{"type": "text", "text": text}]},
                              {"role": "assistant", "content": [{"type": "text", "text": reply}]}]
         lines.append(json.dumps({"messages": messages}) + "\n")
+    for _ in range(letter_drills):
+        text, reply = letter_drill(rng)
+        lines.append(json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": text}]},
+                                              {"role": "assistant", "content": [{"type": "text", "text": reply}]}]})
+                     + "\n")
     path = os.path.join(directory, name)
     with open(path + ".tmp", "w") as f:
         f.writelines(lines)
     os.replace(path + ".tmp", path)
     return path
+
+
+ANSWER_WORDS = (tuple(PALETTE), SHAPES, COUNTS, POSITIONS, DIRECTIONS, WHEN_HIDDEN)  # each family's options
+
+
+def letter_drill(rng: np.random.Generator) -> tuple[str, str]:
+    """`(user text, reply)`: "Which option is <word>?" in the ablation's multiple-choice prompt
+    (`tasks.mc_prompt`), the options drawn from one family's answer words as the items draw theirs,
+    and the letter of the option that is the word. The answer format without the media: a small model
+    trained from random weights learns to read the pixels (open answers) long before it learns to
+    point at an option's letter, and these rows teach the pointing on their own (docs/tasks.md §8)."""
+    words = ANSWER_WORDS[int(rng.integers(len(ANSWER_WORDS)))]
+    word = words[int(rng.integers(len(words)))]
+    options = draw_options(rng, word, words)
+    return mc_prompt(f"Which option is {word}?", options), option_letters(options)[options.index(word)]
 
 
 def _extra_items(item: SyntheticItem, rng: np.random.Generator, limit: int) -> list[SyntheticItem]:

@@ -5,11 +5,17 @@ project's own fine-tuning stack: `SFTDataset` over a generated JSONL, `Trainer` 
     nice -n 10 .venv/bin/python scripts/train_tiny_default.py [--out runs/tiny-default] [--rows 6000]
         [--steps 1200] [--batch-size 16] [--learning-rate 2e-3] [--seed 0] [--eval-items 40] [--install]
         [--plain-steps 480 --plain-rows 15000] [--extra-questions 2]
+        [--patch-init chroma] [--qk-norm-gain 2] [--warm-drills 1000] [--drills 6000]
 
 Phases (one learning-rate schedule over all, the update count carrying on): --warm-steps of open colour
 questions; then, with --plain-steps, the family mix on plain backgrounds (`PLAIN`); then the family
 mix on the documented ranges up to --steps. --extra-questions k asks up to k further questions about
 the same media in each conversation of the last two phases (`default.write_sft_dataset`).
+--warm-drills / --drills add that many text-only letter drills (`default.letter_drill`: the
+multiple-choice answer format alone) to the first / the main phase. --patch-init chroma and
+--qk-norm-gain g change the random starting weights (`build_initial`). The defaults are the shipped
+recipe (its checkpoint is reproduced byte for byte); the other options are the measured trials of
+docs/tasks.md §8.
 
 Writes under OUT: `init/` (the random starting checkpoint: config, tokenizer, processor configs),
 `data/` (the training conversations and their media), `run/` (`metrics.jsonl`, `loss.png`, the
@@ -81,11 +87,53 @@ def tokenizer_corpus(seed: int) -> list[str]:
     return lines
 
 
-def build_initial(directory: str, seed: int, vision: dict, text: dict) -> str:
-    """The random starting checkpoint: config, weights (`testing.random_params`), tokenizer, processors."""
+def chroma_patch_embedding(weight):
+    """The patch embedding `[out, channels, time, height, width]` made blind to achromatic input: the
+    mean over the colour channels taken out at every pixel (variance kept), so an R = G = B background
+    of any grey level or noise maps to the bias alone and the first features see the coloured shapes.
+    Measured (docs/tasks.md §8; `position` alone, batch 32): it leaves the prior at update ~110 with
+    it (loss 0.21 at update 250, held-out open 0.75) and at ~220 without it (0.61, 0.46)."""
+    import numpy as np
+
+    channels = weight.shape[1]
+    return ((weight - weight.mean(axis=1, keepdims=True)) * np.sqrt(channels / (channels - 1))).astype(weight.dtype)
+
+
+def initial_tensors(config, seed: int, patch_init: str = "random", qk_norm_gain: float = 1.0) -> dict:
+    """The random starting weights `{HF name: array}` of `config`: `testing.random_params`; with
+    `patch_init` "chroma" the patch embedding through `chroma_patch_embedding`; the language model's
+    q/k-norm scales times `qk_norm_gain`. The defaults leave the draw as it is (the shipped recipe).
+
+    Why the gain: with q/k-norm the attention logits are at most (q-norm scale x k-norm scale) x
+    sqrt(head_dim) (5.7 at scale 1, head_dim 32), whatever the projections learn, and AdamW moves a
+    scale by about the learning rate per update, so sharp attention (reading one option's letter, the
+    tokens where the shape is) waits hundreds of updates for the scales to grow. Measured (docs/tasks.md
+    §8; batch 32, lr 2e-3): text-only letter drills sit at the prior through 400 updates at gain 1 and
+    fall to 0.47 at gain 2; `position` alone (with `patch_init` "chroma") reaches held-out open 1.0
+    in 250 updates at gain 2, 0.75 at gain 1."""
+    from qwen3vl_jax.convert import export_hf_tensors
+    from qwen3vl_jax.testing import random_params
+
+    if patch_init not in ("random", "chroma"):
+        raise ValueError(f"patch_init must be 'random' or 'chroma', got {patch_init!r}")
+    if not qk_norm_gain > 0:
+        raise ValueError(f"qk_norm_gain must be > 0, got {qk_norm_gain!r}")
+    tensors = export_hf_tensors(random_params(config, seed=seed), config)
+    if patch_init == "chroma":
+        name = "model.visual.patch_embed.proj.weight"
+        tensors[name] = chroma_patch_embedding(tensors[name])
+    for name in tensors:
+        if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            tensors[name] = (tensors[name] * qk_norm_gain).astype(tensors[name].dtype)
+    return tensors
+
+
+def build_initial(directory: str, seed: int, vision: dict, text: dict, patch_init: str = "random",
+                  qk_norm_gain: float = 1.0) -> str:
+    """The random starting checkpoint: config, weights (`initial_tensors`), tokenizer, processors."""
     from qwen3vl_jax.config import Qwen3VLConfig, TextConfig, VisionConfig
-    from qwen3vl_jax.convert import export_hf_tensors, write_safetensors
-    from qwen3vl_jax.testing import SPECIAL_TOKENS, bpe_tokenizer, random_params, write_checkpoint_files
+    from qwen3vl_jax.convert import write_safetensors
+    from qwen3vl_jax.testing import SPECIAL_TOKENS, bpe_tokenizer, write_checkpoint_files
 
     tokenizer = bpe_tokenizer(tokenizer_corpus(seed), BPE_VOCAB)
     ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
@@ -96,7 +144,7 @@ def build_initial(directory: str, seed: int, vision: dict, text: dict) -> str:
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False)
     os.makedirs(directory, exist_ok=True)
-    write_safetensors(export_hf_tensors(random_params(config, seed=seed), config), directory)
+    write_safetensors(initial_tensors(config, seed, patch_init, qk_norm_gain), directory)
     write_checkpoint_files(directory, config, tokenizer, dtype="float32", image_size=IMAGE_SIZE,
                            video_size=VIDEO_SIZE, video_sampling=VIDEO_SAMPLING)
     return directory
@@ -134,6 +182,13 @@ def main(argv=None) -> int:
     parser.add_argument("--extra-questions", type=int, default=0,
                         help="further questions per conversation about the same media (colour, shape; "
                              "default.write_sft_dataset), in the plain and main phases")
+    parser.add_argument("--patch-init", choices=("chroma", "random"), default="random",
+                        help="the initial patch embedding: blind to grey (chroma_patch_embedding) or as drawn")
+    parser.add_argument("--qk-norm-gain", type=float, default=1.0,
+                        help="the language model's initial q/k-norm scales times this (1: as drawn)")
+    parser.add_argument("--warm-drills", type=int, default=0,
+                        help="text-only letter drills (default.letter_drill) added to the first phase")
+    parser.add_argument("--drills", type=int, default=0, help="text-only letter drills added to the main phase")
     parser.add_argument("--mc-fraction", type=float, default=0.5, help="share of multiple-choice conversations")
     parser.add_argument("--families", nargs="+", default=None, help="task families (default: all)")
     parser.add_argument("--seed", type=int, default=0)
@@ -153,6 +208,10 @@ def main(argv=None) -> int:
         parser.error("--plain-steps must be >= 0 with --warm-steps + --plain-steps < --steps, and --plain-rows >= 1")
     if args.extra_questions < 0:
         parser.error("--extra-questions must be >= 0")
+    if not args.qk_norm_gain > 0:
+        parser.error("--qk-norm-gain must be > 0")
+    if args.warm_drills < 0 or args.drills < 0:
+        parser.error("--warm-drills and --drills must be >= 0")
     if args.eval_seed in (args.seed, args.seed + 1_000_000, args.seed + PLAIN_SEED):
         parser.error("--eval-seed must differ from the training seeds --seed, --seed + 1000000 and "
                      f"--seed + {PLAIN_SEED} (held-out items)")
@@ -177,10 +236,11 @@ def main(argv=None) -> int:
     families = tuple(args.families or synthetic.FAMILIES)
     timings = {}
     clock = time.perf_counter()
-    init = build_initial(os.path.join(args.out, "init"), args.seed, vision, text)
+    init = build_initial(os.path.join(args.out, "init"), args.seed, vision, text, args.patch_init,
+                         args.qk_norm_gain)
     items = synthetic.make_set(args.rows, seed=args.seed, families=families)
     data_path = write_sft_dataset(items, os.path.join(args.out, "data"), mc_fraction=args.mc_fraction,
-                                  seed=args.seed, extra_questions=args.extra_questions)
+                                  seed=args.seed, extra_questions=args.extra_questions, letter_drills=args.drills)
     del items
     if args.plain_steps:  # the second phase: the family mix on plain backgrounds (see PLAIN)
         plain_items = synthetic.make_set(args.plain_rows, seed=args.seed + PLAIN_SEED, families=families,
@@ -192,7 +252,7 @@ def main(argv=None) -> int:
     if args.warm_steps:  # the first phase: open colour questions only (see WARM_FAMILIES)
         warm_items = synthetic.make_set(args.warm_rows, seed=args.seed + WARM_SEED, families=WARM_FAMILIES)
         warm_path = write_sft_dataset(warm_items, os.path.join(args.out, "data-warm"), mc_fraction=0.0,
-                                      seed=args.seed)
+                                      seed=args.seed, letter_drills=args.warm_drills)
         del warm_items
     timings["data_s"] = time.perf_counter() - clock
 
@@ -237,7 +297,8 @@ def main(argv=None) -> int:
     report = {"seed": args.seed, "rows": len(data.rows), "steps": args.steps, "warm_steps": args.warm_steps,
               "warm_rows": args.warm_rows, "plain_steps": args.plain_steps,
               "plain_rows": args.plain_rows if args.plain_steps else 0, "extra_questions": args.extra_questions,
-              "mc_fraction": args.mc_fraction, "warmup_steps": args.warmup_steps, "batch_size": args.batch_size,
+              "mc_fraction": args.mc_fraction, "patch_init": args.patch_init, "qk_norm_gain": args.qk_norm_gain,
+              "warm_drills": args.warm_drills, "drills": args.drills, "warmup_steps": args.warmup_steps, "batch_size": args.batch_size,
               "learning_rate": args.learning_rate, "width": args.width, "parameters": count_params(model),
               "families": list(families), "timings": timings}
     print(f"trained in {timings['train_s'] / 60:.1f} min ({timings['total_s'] / 60:.1f} min with data)", flush=True)

@@ -15,6 +15,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import load_script
 
 from qwen3vl_jax import Qwen3VL, Qwen3VLProcessor, default
 from qwen3vl_jax.model import MODEL_INPUTS
@@ -160,3 +161,68 @@ def test_extra_questions_ask_the_items_facts_about_the_same_media(tmp_path):
         assert set(asked) == expected and len(asked) == len(expected)
         extra_turns += len(asked)
     assert extra_turns > len(items) // 2
+
+
+def test_letter_drills_point_at_the_option_naming_the_word(tmp_path):
+    """`write_sft_dataset(letter_drills=n)`: n text-only conversations after the items, each asking for
+    the letter of the option that is the named word, in the ablation's multiple-choice prompt, with
+    options from one family's answer words; `default.letter_drill` draws one."""
+    from qwen3vl_jax.pruning.tasks import ANSWER_INSTRUCTION
+    from qwen3vl_jax.training import read_jsonl
+
+    items = synthetic.make_set(7, seed=7)
+    rows = read_jsonl(default.write_sft_dataset(items, tmp_path, seed=3, letter_drills=40))
+    assert len(rows) == len(items) + 40
+    letters = set()
+    for _, messages in rows[len(items):]:
+        (user, reply) = messages
+        (part,) = user["content"]
+        assert part["type"] == "text"  # no media
+        question, *options, instruction = part["text"].split("\n")
+        assert instruction == ANSWER_INSTRUCTION and len(options) == 4
+        word = question.removeprefix("Which option is ").removesuffix("?")
+        words = [line.split(". ", 1)[1] for line in options]
+        assert [line[0] for line in options] == list("ABCD") and len(set(words)) == 4
+        assert any(set(words) <= set(vocabulary) for vocabulary in default.ANSWER_WORDS), words
+        letter = reply["content"][0]["text"]
+        assert words["ABCD".index(letter)] == word
+        letters.add(letter)
+    assert letters == set("ABCD")  # the answer's place is drawn, not fixed
+
+
+def test_initial_weight_choices_of_the_training_script():
+    """`initial_tensors`: the defaults are `testing.random_params` as drawn (the shipped recipe);
+    "chroma" makes the patch embedding blind to any achromatic (R = G = B) input, grey or noisy, and
+    keeps its variance; the q/k-norm gain scales exactly the language model's q/k-norm weights."""
+    from qwen3vl_jax.convert import export_hf_tensors
+    from qwen3vl_jax.testing import SPECIAL_TOKENS, random_params, tiny_config
+
+    script = load_script("train_tiny_default")
+    config = tiny_config(384, {token: 300 + i for i, token in enumerate(SPECIAL_TOKENS)})
+    drawn = export_hf_tensors(random_params(config, seed=3), config)
+    plain = script.initial_tensors(config, 3)
+    assert plain.keys() == drawn.keys()
+    for name in drawn:
+        np.testing.assert_array_equal(plain[name], drawn[name], err_msg=name)
+
+    changed = script.initial_tensors(config, 3, patch_init="chroma", qk_norm_gain=2.0)
+    patch = "model.visual.patch_embed.proj.weight"
+    weight = changed[patch]  # [out, channels, time, height, width]
+    assert weight.shape == drawn[patch].shape and weight.dtype == drawn[patch].dtype
+    rng = np.random.default_rng(0)
+    grey = rng.uniform(-1, 1, (5, 1, *weight.shape[2:])).repeat(3, axis=1)  # normalised R = G = B pixels
+    colour = rng.uniform(-1, 1, (5, *weight.shape[1:]))
+    assert np.abs(np.einsum("octhw,bcthw->bo", weight, grey)).max() < 1e-5
+    assert np.abs(np.einsum("octhw,bcthw->bo", weight, colour)).max() > 0.1
+    assert weight.std() == pytest.approx(drawn[patch].std(), rel=0.05)
+    gained = [n for n in drawn if n.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight"))]
+    assert len(gained) == 2 * config.text.num_hidden_layers
+    for name in drawn:
+        if name in gained:
+            np.testing.assert_array_equal(changed[name], 2.0 * drawn[name], err_msg=name)
+        elif name != patch:
+            np.testing.assert_array_equal(changed[name], drawn[name], err_msg=name)
+    with pytest.raises(ValueError, match="patch_init"):
+        script.initial_tensors(config, 3, patch_init="grey")
+    with pytest.raises(ValueError, match="qk_norm_gain"):
+        script.initial_tensors(config, 3, qk_norm_gain=0.0)
