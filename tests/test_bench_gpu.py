@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import jax
 import pytest
 from conftest import load_script
