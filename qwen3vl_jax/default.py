@@ -104,6 +104,8 @@ def write_sft_dataset(items: Sequence[SyntheticItem], directory: str | os.PathLi
 
     if not 0 <= mc_fraction <= 1:
         raise ValueError(f"mc_fraction must be in [0, 1], got {mc_fraction!r}")
+    if isinstance(letter_drills, bool) or not isinstance(letter_drills, int) or letter_drills < 0:
+        raise ValueError(f"letter_drills must be an integer >= 0, got {letter_drills!r}")
     items = list(items)
     if not items:
         raise ValueError("items: nothing to write")
@@ -146,7 +148,8 @@ def letter_drill(rng: np.random.Generator) -> tuple[str, str]:
     (`tasks.mc_prompt`), the options drawn from one family's answer words as the items draw theirs,
     and the letter of the option that is the word. The answer format without the media: a small model
     trained from random weights learns to read the pixels (open answers) long before it learns to
-    point at an option's letter, and these rows teach the pointing on their own (docs/tasks.md §8)."""
+    point at an option's letter, and these rows train the pointing on its own (measured in
+    docs/tasks.md §8)."""
     words = ANSWER_WORDS[int(rng.integers(len(ANSWER_WORDS)))]
     word = words[int(rng.integers(len(words)))]
     options = draw_options(rng, word, words)

@@ -188,6 +188,8 @@ def test_letter_drills_point_at_the_option_naming_the_word(tmp_path):
         assert words["ABCD".index(letter)] == word
         letters.add(letter)
     assert letters == set("ABCD")  # the answer's place is drawn, not fixed
+    with pytest.raises(ValueError, match="letter_drills"):
+        default.write_sft_dataset(items, tmp_path / "bad", letter_drills=-1)
 
 
 def test_initial_weight_choices_of_the_training_script():
