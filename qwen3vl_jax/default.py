@@ -125,19 +125,21 @@ def write_sft_dataset(items: Sequence[SyntheticItem], directory: str | os.PathLi
         if extra_questions:
             for extra in _extra_items(item, rng, extra_questions):
                 text, reply = item_prompt(extra, "mc" if rng.random() < mc_fraction else "open")
-                messages += [{"role": "user", "content": [{"type": "text", "text": text}]},
-                             {"role": "assistant", "content": [{"type": "text", "text": reply}]}]
+                messages += _text_exchange(text, reply)
         lines.append(json.dumps({"messages": messages}) + "\n")
     for _ in range(letter_drills):
-        text, reply = letter_drill(rng)
-        lines.append(json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": text}]},
-                                              {"role": "assistant", "content": [{"type": "text", "text": reply}]}]})
-                     + "\n")
+        lines.append(json.dumps({"messages": _text_exchange(*letter_drill(rng))}) + "\n")
     path = os.path.join(directory, name)
     with open(path + ".tmp", "w") as f:
         f.writelines(lines)
     os.replace(path + ".tmp", path)
     return path
+
+
+def _text_exchange(text: str, reply: str) -> list[dict]:
+    """A user turn of text alone and the assistant's reply, as chat messages."""
+    return [{"role": "user", "content": [{"type": "text", "text": text}]},
+            {"role": "assistant", "content": [{"type": "text", "text": reply}]}]
 
 
 ANSWER_WORDS = (tuple(PALETTE), SHAPES, COUNTS, POSITIONS, DIRECTIONS, WHEN_HIDDEN)  # each family's options

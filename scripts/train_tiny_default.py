@@ -298,7 +298,8 @@ def main(argv=None) -> int:
               "warm_rows": args.warm_rows, "plain_steps": args.plain_steps,
               "plain_rows": args.plain_rows if args.plain_steps else 0, "extra_questions": args.extra_questions,
               "mc_fraction": args.mc_fraction, "patch_init": args.patch_init, "qk_norm_gain": args.qk_norm_gain,
-              "warm_drills": args.warm_drills, "drills": args.drills, "warmup_steps": args.warmup_steps, "batch_size": args.batch_size,
+              "warm_drills": args.warm_drills, "drills": args.drills, "warmup_steps": args.warmup_steps,
+              "batch_size": args.batch_size,
               "learning_rate": args.learning_rate, "width": args.width, "parameters": count_params(model),
               "families": list(families), "timings": timings}
     print(f"trained in {timings['train_s'] / 60:.1f} min ({timings['total_s'] / 60:.1f} min with data)", flush=True)

@@ -153,6 +153,7 @@ def pytest_terminal_summary(terminalreporter):
         for line in sorted(_left_out):
             terminalreporter.write_line(line)
 
+
 def load_script(name: str):
     """The module of `scripts/<name>.py` (the scripts are not a package), loaded afresh."""
     import importlib.util
