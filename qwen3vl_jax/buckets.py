@@ -166,7 +166,8 @@ class EncoderRunner:
         patches = budget * self.config.merge_unit
         pixels = np.zeros((patches, self.config.patch_dim), np.float32)
         pixels[:rows.size] = pixel_values[rows]
-        return pixels, meta.padded(patches)
+        # Compiled before any data (one executable per budget), so without the frame-size hint.
+        return pixels, dataclasses.replace(meta.padded(patches), longest_segment=0)
 
     # ------------------------------------------------------------------ running
 

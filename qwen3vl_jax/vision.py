@@ -49,6 +49,10 @@ class VisionMetadata:
     segment_ids: `[P]` int32, one id per temporal slice of each item; negative = padding.
     frame_rows: static; the patches of every frame when all frames have the same size, else 0 (a
       hint that lets attention align its blocks with the frames: `AttentionMask.segment_rows`).
+    longest_segment: static; the patches of the largest frame rounded up to a power of two, at least
+      128 (`segment_bound`; 0 = unknown): a hint that lets attention size its blocks to the frames
+      when they differ (`AttentionMask.longest_segment`), kept by `padded`. Rounded so that calls
+      of one padded size share a few compilations.
     """
 
     pos_indices: np.ndarray
@@ -56,11 +60,13 @@ class VisionMetadata:
     rotary_ids: np.ndarray
     segment_ids: np.ndarray
     frame_rows: int = 0
+    longest_segment: int = 0
 
     def padded(self, patches: int) -> "VisionMetadata":
         """The metadata of `patches` rows, the extra rows padding (their own attention segment, -1,
         never merged into a token that is used). A padded call serves items of any size, so it
-        drops `frame_rows` and compiles once per size. Works on numpy and jax arrays alike."""
+        drops `frame_rows` (keeping `longest_segment`) and compiles once per size and bound. Works
+        on numpy and jax arrays alike."""
         real = self.segment_ids.shape[0]
         if real > patches:
             raise ValueError(f"{real} patches exceed the vision budget of {patches} patches")
@@ -68,13 +74,20 @@ class VisionMetadata:
         xp = jnp if isinstance(self.segment_ids, jax.Array) else np
         rows = lambda x: xp.pad(x, ((0, pad), (0, 0)))  # noqa: E731
         return VisionMetadata(rows(self.pos_indices), rows(self.pos_weights), rows(self.rotary_ids),
-                              xp.pad(self.segment_ids, (0, pad), constant_values=-1))
+                              xp.pad(self.segment_ids, (0, pad), constant_values=-1),
+                              longest_segment=self.longest_segment)
 
 
 jax.tree_util.register_dataclass(
     VisionMetadata, data_fields=["pos_indices", "pos_weights", "rotary_ids", "segment_ids"],
-    meta_fields=["frame_rows"]
+    meta_fields=["frame_rows", "longest_segment"]
 )
+
+
+def segment_bound(rows: int) -> int:
+    """`VisionMetadata.longest_segment` for a largest frame of `rows` patches: the next power of two,
+    at least 128 (0 for no frames)."""
+    return 0 if rows <= 0 else max(128, 1 << (int(rows) - 1).bit_length())
 
 
 def validate_vision_inputs(pixel_values, grid_thw, config: VisionConfig, *, what: str = "item") -> np.ndarray:
@@ -140,7 +153,8 @@ def vision_metadata(grid_thw, config: VisionConfig) -> VisionMetadata:
         pos_weights=weights,
         rotary_ids=np.concatenate(rotary).astype(np.int32) if rotary else np.zeros((0, 2), np.int32),
         segment_ids=np.concatenate(segments).astype(np.int32) if segments else np.zeros((0,), np.int32),
-        frame_rows=sizes.pop() if len(sizes) == 1 else 0,
+        frame_rows=next(iter(sizes)) if len(sizes) == 1 else 0,
+        longest_segment=segment_bound(max(sizes, default=0)),
     )
 
 
@@ -305,7 +319,7 @@ class VisionModel(nnx.Module):
         )
         x = x + pos.astype(x.dtype)
         cos, sin = vision_rotary_cos_sin(meta.rotary_ids, jnp.asarray(vision_rotary_inv_freq(self.config)))
-        mask = AttentionMask.segments(meta.segment_ids, meta.frame_rows)
+        mask = AttentionMask.segments(meta.segment_ids, meta.frame_rows, meta.longest_segment)
         taps = self.config.deepstack_visual_indexes
         # Block index -> deepstack level (-1: none), so a scanned stack can tap by a traced index.
         level_of = np.full(self.config.depth, -1, np.int32)

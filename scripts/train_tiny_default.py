@@ -14,8 +14,9 @@ the same media in each conversation of the last two phases (`default.write_sft_d
 --warm-drills / --drills add that many text-only letter drills (`default.letter_drill`: the
 multiple-choice answer format alone) to the first / the main phase. --patch-init chroma and
 --qk-norm-gain g change the random starting weights (`build_initial`). The defaults are the shipped
-recipe (its checkpoint is reproduced byte for byte); the other options are the measured trials of
-docs/tasks.md §8.
+recipe (its checkpoint was reproduced byte for byte before the vision attention's block size began
+to follow the frame-size bound, docs/kernels.md; a rerun now differs in float rounding); the other
+options are the measured trials of docs/tasks.md §8.
 
 Writes under OUT: `init/` (the random starting checkpoint: config, tokenizer, processor configs),
 `data/` (the training conversations and their media), `run/` (`metrics.jsonl`, `loss.png`, the

@@ -142,7 +142,8 @@ def attention(q, k, v, mask: AttentionMask, *, implementation: str = "auto", blo
         raise ValueError(f"mask describes {mask.shape} query rows but q has {q.shape[:2]}")
     k, v = k.astype(q.dtype), v.astype(q.dtype)
     if not use_pallas:
-        op = functools.partial(reference.attention, segment_rows=mask.segment_rows)
+        op = functools.partial(reference.attention, segment_rows=mask.segment_rows,
+                               longest_segment=mask.longest_segment)
     else:
         op = functools.partial(_pallas_attention, interpret=interpret, block_q=block_q, block_k=block_k,
                                num_splits=num_splits)
@@ -159,7 +160,7 @@ def attention_weights(q, k, mask: AttentionMask):
     if mask.shape != q.shape[:2]:
         raise ValueError(f"mask describes {mask.shape} query rows but q has {q.shape[:2]}")
     return reference.attention_weights(q, k.astype(q.dtype), mask.kv_start, mask.kv_end,
-                                       segment_rows=mask.segment_rows)
+                                       segment_rows=mask.segment_rows, longest_segment=mask.longest_segment)
 
 
 # The mesh convention of the model (`qwen3vl_jax.sharding`): batch over these axes, heads over this one.

@@ -17,7 +17,10 @@ The constructors say what the mask is:
   segments (one per image frame in the vision tower); negative ids are padding. `segment_rows`, when
   the caller knows it, says every segment is that many rows long, starting at row 0: a static hint
   the blocked spec uses to align its blocks with the segments (`reference.aligned_block`). It
-  changes which block pairs are computed, never the result.
+  changes which block pairs are computed, never the result. `longest_segment`, when segments differ
+  in length, bounds them: the blocked spec then uses blocks of about half that many rows
+  (`reference.segment_block`) instead of its default, so a query block of short segments visits a few
+  short key blocks rather than one long, mostly masked one. Also work only, never the result.
 
 `dense(num_keys)` expands a description to the boolean `[B, L, S]` mask: a test oracle only.
 
@@ -40,11 +43,13 @@ class AttentionMask:
     """Per query row, the key run `[kv_start, kv_end)`; both `[B, L]` int32 (a pytree).
 
     `segment_rows` (static, 0 = no promise): every segment is this many rows, the first at row 0.
+    `longest_segment` (static, 0 = no promise): no segment is longer than this many rows.
     """
 
     kv_start: jax.Array
     kv_end: jax.Array
     segment_rows: int = 0
+    longest_segment: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -63,16 +68,17 @@ class AttentionMask:
         return cls(jnp.where(real, starts, 0), jnp.where(real, slot + 1, 0))
 
     @classmethod
-    def segments(cls, segment_ids, segment_rows: int = 0) -> "AttentionMask":
+    def segments(cls, segment_ids, segment_rows: int = 0, longest_segment: int = 0) -> "AttentionMask":
         """Non-causal attention within contiguous runs of equal ids; `segment_ids [S]` or `[B, S]`.
 
         `segment_rows`: the common length of the segments when the caller knows it (a hint for the
-        block layout; 0 = unknown or mixed)."""
+        block layout; 0 = unknown or mixed). `longest_segment`: an upper bound on their lengths when
+        they differ (a hint for the block size; 0 = unknown)."""
         ids = jnp.asarray(segment_ids, jnp.int32)
         lo, hi = segment_intervals(ids)
         if ids.ndim == 1:
             lo, hi = lo[None], hi[None]
-        return cls(lo, hi, int(segment_rows))
+        return cls(lo, hi, int(segment_rows), int(longest_segment))
 
     def dense(self, num_keys: int) -> jax.Array:
         """The boolean `[B, L, S]` mask this describes (test oracle; never on the model's path)."""
@@ -80,7 +86,7 @@ class AttentionMask:
         return (pos >= self.kv_start[..., None]) & (pos < self.kv_end[..., None])
 
 
-jax.tree_util.register_dataclass(AttentionMask, data_fields=["kv_start", "kv_end"], meta_fields=["segment_rows"])
+jax.tree_util.register_dataclass(AttentionMask, data_fields=["kv_start", "kv_end"], meta_fields=["segment_rows", "longest_segment"])
 
 
 def segment_intervals(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:

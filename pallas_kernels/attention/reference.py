@@ -96,6 +96,15 @@ def aligned_block(segment_rows: int, length: int, block: int) -> int:
     return segment_rows // pieces
 
 
+def segment_block(longest_segment: int, block: int) -> int:
+    """The block size for segments of different lengths, none longer than `longest_segment` rows:
+    about half that, at least 64 rows and at most `block`, so a query block visits the keys of a
+    segment or two rather than a `block`-row key block that is mostly masked. Measured on a 2-core
+    CPU (one training step of the built-in default: 32 images of 64-100 patches, 4,096 rows with
+    padding): 0.62 s in 64-row blocks, 0.70 s in 128-row blocks, 1.0 s in 512-row blocks."""
+    return min(block, max(64, longest_segment // 2))
+
+
 def balanced_block(length: int, block: int) -> int:
     """The block size that splits `length` rows into as few blocks of at most `block` rows as
     possible, all equal and a multiple of 8 (the f32 vector width): 784 rows in blocks of up to
@@ -123,9 +132,9 @@ def _single_query(q, k, v, kv_start, kv_end, scale):
     return out.reshape(b, heads, dim)
 
 
-@functools.partial(jax.jit, static_argnames=("block_q", "block_k", "segment_rows"))
+@functools.partial(jax.jit, static_argnames=("block_q", "block_k", "segment_rows", "longest_segment"))
 def attention(q, k, v, kv_start, kv_end, *, block_q: int = ATTENTION_BLOCK, block_k: int = ATTENTION_BLOCK,
-              segment_rows: int = 0):
+              segment_rows: int = 0, longest_segment: int = 0):
     """Grouped-query attention where query row `(b, i)` sees keys `kv_start[b, i] <= s < kv_end[b, i]`.
 
     Args:
@@ -136,6 +145,9 @@ def attention(q, k, v, kv_start, kv_end, *, block_q: int = ATTENTION_BLOCK, bloc
       segment_rows: static hint (0 = none) that the rows form segments of this many rows from row 0
         (`AttentionMask.segment_rows`; self-attention, L == S): blocks of `aligned_block(...,
         block_q)` rows for queries and keys alike. Changes the work done, never the result.
+      longest_segment: static hint (0 = none) that no segment is longer than this
+        (`AttentionMask.longest_segment`; self-attention, used when `segment_rows` is 0): blocks of
+        `segment_block(longest_segment, block_q)` rows. Changes the work done, never the result.
     Returns:
       `[B, L, H, D]` in q's dtype. Scores, softmax and accumulation in float32, scale 1/sqrt(D).
     """
@@ -150,15 +162,18 @@ def attention(q, k, v, kv_start, kv_end, *, block_q: int = ATTENTION_BLOCK, bloc
     if length == 1:
         return _single_query(q[:, 0], k, v, kv_start[:, 0], kv_end[:, 0], dim**-0.5)[:, None].astype(q.dtype)
 
-    q, k, v, kv_start, kv_end, bq, bk = _padded_blocks(q, k, v, kv_start, kv_end, block_q, block_k, segment_rows)
+    q, k, v, kv_start, kv_end, bq, bk = _padded_blocks(q, k, v, kv_start, kv_end, block_q, block_k, segment_rows,
+                                                       longest_segment)
     return _blocked(q, k, v, kv_start, kv_end, bq, bk)[:, :length]
 
 
-def _padded_blocks(q, k, v, kv_start, kv_end, block_q, block_k, segment_rows):
+def _padded_blocks(q, k, v, kv_start, kv_end, block_q, block_k, segment_rows, longest_segment):
     """The block sizes of a call (see `attention`) and its inputs padded to whole blocks."""
     length, kv_len = q.shape[1], k.shape[1]
     if segment_rows and length == kv_len:
         bq = bk = aligned_block(segment_rows, length, block_q)
+    elif longest_segment and length == kv_len:
+        bq = bk = balanced_block(length, segment_block(longest_segment, block_q))
     else:
         bq, bk = balanced_block(length, block_q), balanced_block(kv_len, block_k)
     lp, sp = -(-length // bq) * bq, -(-kv_len // bk) * bk
@@ -170,9 +185,9 @@ def _padded_blocks(q, k, v, kv_start, kv_end, block_q, block_k, segment_rows):
     return q, k, v, kv_start, kv_end, bq, bk
 
 
-@functools.partial(jax.jit, static_argnames=("block_q", "block_k", "segment_rows"))
+@functools.partial(jax.jit, static_argnames=("block_q", "block_k", "segment_rows", "longest_segment"))
 def attention_weights(q, k, kv_start, kv_end, *, block_q: int = ATTENTION_BLOCK, block_k: int = ATTENTION_BLOCK,
-                      segment_rows: int = 0):
+                      segment_rows: int = 0, longest_segment: int = 0):
     """The softmax probabilities `[B, H, L, S]` (float32) that `attention` applies to the values.
 
     Exactly the spec's own: each row's log-sum-exp comes from the same computation `attention` runs
@@ -202,7 +217,8 @@ def attention_weights(q, k, kv_start, kv_end, *, block_q: int = ATTENTION_BLOCK,
         seen = total > 0
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), 0.0)
     else:
-        qp, kp, _, lo, hi, bq, bk = _padded_blocks(q, k, k, kv_start, kv_end, block_q, block_k, segment_rows)
+        qp, kp, _, lo, hi, bq, bk = _padded_blocks(q, k, k, kv_start, kv_end, block_q, block_k, segment_rows,
+                                                   longest_segment)
         _, lse = _blocked_forward(qp, kp, kp, lo, hi, bq, bk)  # [B * nq, G, R * Q]
         lse = _Layout(qp, kp, bq, bk).unqueries(lse[..., None])[:, :length, :, 0]  # [B, L, H]
         lse = lse.transpose(0, 2, 1)[..., None]
