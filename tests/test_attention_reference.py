@@ -70,6 +70,15 @@ def test_aligned_block(rows, length, block, expected):
     assert got % rows == 0 or rows % got == 0 or rows == 1031
 
 
+def _score_entries(mask: AttentionMask, block: int) -> int:
+    """Score entries the blocked spec computes for `mask` in square blocks of `block` rows: the key
+    blocks each query block visits (`reference.block_ranges`) times block x block."""
+    pad = -mask.shape[1] % block
+    lo, hi = reference.block_ranges(*(jnp.pad(x, ((0, 0), (0, pad))) for x in (mask.kv_start, mask.kv_end)),
+                                    block, block)
+    return int(jnp.sum(hi - lo)) * block * block
+
+
 @pytest.mark.parametrize("frames,rows,hint", [(4, 40, 40), pytest.param(3, 24, 24, marks=pytest.mark.slow),
                                               pytest.param(5, 20, 20, marks=pytest.mark.slow), (4, 40, 24), (4, 40, 0)])
 def test_segment_rows_hint_changes_work_not_result(frames, rows, hint):
@@ -94,14 +103,8 @@ def test_segment_rows_hint_changes_work_not_result(frames, rows, hint):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     if hint == rows:  # aligned: each query block visits only the key blocks of its own frames
         block = reference.aligned_block(rows, len(seg), 32)
-        kv_start, kv_end = (jnp.pad(x, ((0, 0), (0, -len(seg) % block))) for x in (mask.kv_start, mask.kv_end))
-        lo, hi = reference.block_ranges(kv_start, kv_end, block, block)
         balanced = reference.balanced_block(len(seg), 32)
-        pad = -len(seg) % balanced
-        blo, bhi = reference.block_ranges(*(jnp.pad(x, ((0, 0), (0, pad))) for x in (mask.kv_start, mask.kv_end)),
-                                          balanced, balanced)
-        aligned_rows = int(jnp.sum(hi - lo)) * block * block
-        balanced_rows = int(jnp.sum(bhi - blo)) * balanced * balanced
+        aligned_rows, balanced_rows = _score_entries(mask, block), _score_entries(mask, balanced)
         assert aligned_rows < balanced_rows, (block, balanced, aligned_rows, balanced_rows)
 
 
@@ -131,16 +134,11 @@ def test_longest_segment_hint_changes_work_not_result():
         for got, expected in zip(grads, want):
             np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
 
-    def visited_pairs(block):
-        pad = -len(seg) % block
-        lo, hi = reference.block_ranges(*(jnp.pad(x, ((0, 0), (0, pad))) for x in (mask.kv_start, mask.kv_end)),
-                                        block, block)
-        return int(jnp.sum(hi - lo)) * block * block
-
     hinted = reference.balanced_block(len(seg), reference.segment_block(128, reference.ATTENTION_BLOCK))
     default = reference.balanced_block(len(seg), reference.ATTENTION_BLOCK)
     assert (hinted, default) == (64, 264)
-    assert visited_pairs(hinted) < visited_pairs(default) / 2, (visited_pairs(hinted), visited_pairs(default))
+    hinted_entries, default_entries = _score_entries(mask, hinted), _score_entries(mask, default)
+    assert hinted_entries < default_entries / 2, (hinted_entries, default_entries)
 
 
 def test_four_large_images_do_not_allocate_a_full_score_matrix():
