@@ -6,11 +6,13 @@ project's own fine-tuning stack: `SFTDataset` over a generated JSONL, `Trainer` 
         [--steps 1200] [--batch-size 16] [--learning-rate 2e-3] [--seed 0] [--eval-items 40] [--install]
         [--plain-steps 480 --plain-rows 15000] [--extra-questions 2]
         [--patch-init chroma] [--qk-norm-gain 2] [--warm-drills 1000] [--drills 6000]
+        [--sequence position:250 direction:250 ... all:250] [--length-buckets 64 128 192 320]
 
 Phases (one learning-rate schedule over all, the update count carrying on): --warm-steps of open colour
 questions; then, with --plain-steps, the family mix on plain backgrounds (`PLAIN`); then the family
 mix on the documented ranges up to --steps. --extra-questions k asks up to k further questions about
 the same media in each conversation of the last two phases (`default.write_sft_dataset`).
+--sequence replaces those phases by one family at a time with replay (see SEQUENCE_SEED).
 --warm-drills / --drills add that many text-only letter drills (`default.letter_drill`: the
 multiple-choice answer format alone) to the first / the main phase. --patch-init chroma and
 --qk-norm-gain g change the random starting weights (`build_initial`). The defaults are the shipped
@@ -69,6 +71,14 @@ WARM_FAMILIES = ("color",)
 # count, not position or shape: not better than the defaults, which stay the shipped recipe.
 PLAIN = dict(noise=(0.0,), background=(128, 128))
 PLAIN_SEED = 2_000_000
+# An alternative to the phases above (--sequence FAMILY:UPDATES ...): one family at a time, each phase's
+# rows half the new family's items and half a replay of the earlier phases' families (the first phase
+# all new), open questions only; a phase named `all` is the mix of every family, in both forms
+# (--mc-fraction, --drills). A phase of n updates reads n x batch / SEQUENCE_EPOCHS rows, each
+# SEQUENCE_EPOCHS times; phase k's items come from --seed + SEQUENCE_SEED + 1000 k (its replay from
+# + 500). One learning-rate schedule over all phases. Measured trials: docs/tasks.md §8.
+SEQUENCE_SEED = 3_000_000
+SEQUENCE_EPOCHS = 2
 VISION_BUCKETS = (32, 80)
 
 
@@ -151,6 +161,38 @@ def build_initial(directory: str, seed: int, vision: dict, text: dict, patch_ini
     return directory
 
 
+def parse_sequence(entries: list[str], families: tuple[str, ...]) -> list[tuple[str, int]]:
+    """`["position:250", "all:200"]` -> `[("position", 250), ("all", 200)]`; each name one of `families`
+    or `all`, each count >= 1; a clear error naming the entry otherwise."""
+    phases = []
+    for entry in entries:
+        name, sep, count = entry.partition(":")
+        if not sep or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"--sequence entry {entry!r}: expected FAMILY:UPDATES with UPDATES >= 1")
+        if name != "all" and name not in families:
+            raise ValueError(f"--sequence entry {entry!r}: {name!r} is not one of {families} or 'all'")
+        phases.append((name, int(count)))
+    return phases
+
+
+def sequence_items(phases: list[tuple[str, int]], index: int, rows: int, families: tuple[str, ...],
+                   seed: int):
+    """The items of phase `index` of a --sequence: `rows` of the mix of `families` for `all`; else half
+    (all, for the first family) the phase's family and half a replay of the earlier phases' families."""
+    from qwen3vl_jax.pruning import synthetic
+
+    name, _ = phases[index]
+    base = seed + SEQUENCE_SEED + 1000 * index
+    if name == "all":
+        return synthetic.make_set(rows, seed=base, families=families)
+    earlier = tuple(dict.fromkeys(f for f, _ in phases[:index] if f not in ("all", name)))
+    new = rows if not earlier else rows // 2
+    items = synthetic.make_set(new, seed=base, families=(name,))
+    if rows > new:
+        items += synthetic.make_set(rows - new, seed=base + 500, families=earlier)
+    return items
+
+
 def evaluate_heldout(path: str, n_per_family: int, seed: int) -> dict:
     """Held-out accuracy per family (fresh items from `seed`), multiple-choice and open."""
     from qwen3vl_jax import EncoderRunner, Qwen3VL, Qwen3VLProcessor, default
@@ -169,17 +211,21 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join("runs", "tiny-default"))
     parser.add_argument("--rows", type=int, default=8000, help="training conversations (one per item)")
-    parser.add_argument("--steps", type=int, default=1100, help="optimizer updates (both phases)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimizer updates (all phases; default 1100, or the sum of --sequence)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--learning-rate", type=float, default=5e-3)
     parser.add_argument("--warmup-steps", type=int, default=50, help="learning-rate warmup updates")
-    parser.add_argument("--warm-steps", type=int, default=120,
-                        help="first-phase updates on open colour questions (0: none), counted in --steps")
+    parser.add_argument("--warm-steps", type=int, default=None,
+                        help="first-phase updates on open colour questions (default 120; 0: none), counted in --steps")
     parser.add_argument("--warm-rows", type=int, default=1000, help="first-phase conversations")
     parser.add_argument("--plain-steps", type=int, default=0,
                         help="second-phase updates on the family mix with plain backgrounds (no noise, grey "
                              f"{PLAIN['background'][0]}) (0: none), counted in --steps; the documented ranges follow")
     parser.add_argument("--plain-rows", type=int, default=8000, help="second-phase conversations")
+    parser.add_argument("--sequence", nargs="+", default=None, metavar="FAMILY:UPDATES",
+                        help="train one family at a time instead of the warm / plain / main phases (see "
+                             "SEQUENCE_SEED); `all` names the full mix")
     parser.add_argument("--extra-questions", type=int, default=0,
                         help="further questions per conversation about the same media (colour, shape; "
                              "default.write_sft_dataset), in the plain and main phases")
@@ -192,12 +238,33 @@ def main(argv=None) -> int:
     parser.add_argument("--drills", type=int, default=0, help="text-only letter drills added to the main phase")
     parser.add_argument("--mc-fraction", type=float, default=0.5, help="share of multiple-choice conversations")
     parser.add_argument("--families", nargs="+", default=None, help="task families (default: all)")
+    parser.add_argument("--length-buckets", type=int, nargs="+", default=list(LENGTH_BUCKETS),
+                        help="padded sequence lengths of the training batches (the last is the longest row)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-items", type=int, default=40, help="held-out items per family (0: no evaluation)")
     parser.add_argument("--eval-seed", type=int, default=1001, help="seed of the held-out items")
     parser.add_argument("--width", type=float, default=1.0, help="scale the text and vision widths (trials)")
     parser.add_argument("--install", action="store_true", help="copy the result into qwen3vl_jax/default_model/")
     args = parser.parse_args(argv)
+    from qwen3vl_jax.pruning import synthetic
+
+    families = tuple(args.families or synthetic.FAMILIES)
+    sequence = None
+    if args.sequence:
+        try:
+            sequence = parse_sequence(args.sequence, families)
+        except ValueError as err:
+            parser.error(str(err))
+        total = sum(n for _, n in sequence)
+        if args.steps not in (None, total):
+            parser.error(f"--steps {args.steps} differs from the sum of --sequence ({total}); leave it out")
+        if args.warm_steps or args.plain_steps:
+            parser.error("--sequence replaces the warm and plain phases: leave out --warm-steps and --plain-steps")
+        if args.warm_drills or args.extra_questions:
+            parser.error("--sequence does not take --warm-drills or --extra-questions")
+        args.steps, args.warm_steps = total, 0
+    args.steps = 1100 if args.steps is None else args.steps
+    args.warm_steps = 120 if args.warm_steps is None else args.warm_steps
     for name in ("rows", "steps", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -213,9 +280,10 @@ def main(argv=None) -> int:
         parser.error("--qk-norm-gain must be > 0")
     if args.warm_drills < 0 or args.drills < 0:
         parser.error("--warm-drills and --drills must be >= 0")
-    if args.eval_seed in (args.seed, args.seed + 1_000_000, args.seed + PLAIN_SEED):
-        parser.error("--eval-seed must differ from the training seeds --seed, --seed + 1000000 and "
-                     f"--seed + {PLAIN_SEED} (held-out items)")
+    if args.eval_seed in (args.seed, args.seed + 1_000_000, args.seed + PLAIN_SEED) or (
+            sequence and 0 <= args.eval_seed - args.seed - SEQUENCE_SEED < 1000 * len(sequence)):
+        parser.error("--eval-seed must differ from the training seeds --seed, --seed + 1000000, "
+                     f"--seed + {PLAIN_SEED} and those of --sequence (held-out items)")
     if os.path.exists(args.out) and os.listdir(args.out):
         parser.error(f"{args.out} is not empty; choose a new --out")
 
@@ -225,7 +293,6 @@ def main(argv=None) -> int:
     from qwen3vl_jax import Qwen3VL, Qwen3VLProcessor, count_params
     from qwen3vl_jax.convert import atomic_directory, copy_side_files
     from qwen3vl_jax.default import DEFAULT_MODEL_DIR, WARM_SEED, write_sft_dataset
-    from qwen3vl_jax.pruning import synthetic
     from qwen3vl_jax.training import OptimConfig, SFTDataset, Trainer
     from qwen3vl_jax.training.run import plot_losses, train
 
@@ -234,15 +301,24 @@ def main(argv=None) -> int:
         scale = lambda n, unit: max(unit, int(round(n * args.width / unit)) * unit)  # noqa: E731
         vision.update(hidden_size=scale(vision["hidden_size"], 16), intermediate_size=scale(vision["intermediate_size"], 16))
         text.update(hidden_size=scale(text["hidden_size"], 32), intermediate_size=scale(text["intermediate_size"], 32))
-    families = tuple(args.families or synthetic.FAMILIES)
     timings = {}
     clock = time.perf_counter()
     init = build_initial(os.path.join(args.out, "init"), args.seed, vision, text, args.patch_init,
                          args.qk_norm_gain)
-    items = synthetic.make_set(args.rows, seed=args.seed, families=families)
-    data_path = write_sft_dataset(items, os.path.join(args.out, "data"), mc_fraction=args.mc_fraction,
-                                  seed=args.seed, extra_questions=args.extra_questions, letter_drills=args.drills)
-    del items
+    sequence_paths = []
+    for k, (name, updates) in enumerate(sequence or ()):  # --sequence: one data set per phase
+        rows = max(1, updates * args.batch_size // SEQUENCE_EPOCHS)
+        mixed = name == "all"
+        sequence_paths.append(write_sft_dataset(
+            sequence_items(sequence, k, rows, families, args.seed), os.path.join(args.out, f"data-{k}-{name}"),
+            mc_fraction=args.mc_fraction if mixed else 0.0, seed=args.seed + k,
+            letter_drills=args.drills if mixed else 0))
+    if not sequence:
+        items = synthetic.make_set(args.rows, seed=args.seed, families=families)
+        data_path = write_sft_dataset(items, os.path.join(args.out, "data"), mc_fraction=args.mc_fraction,
+                                      seed=args.seed, extra_questions=args.extra_questions,
+                                      letter_drills=args.drills)
+        del items
     if args.plain_steps:  # the second phase: the family mix on plain backgrounds (see PLAIN)
         plain_items = synthetic.make_set(args.plain_rows, seed=args.seed + PLAIN_SEED, families=families,
                                          ranges=synthetic.TaskRanges(**PLAIN))
@@ -260,10 +336,12 @@ def main(argv=None) -> int:
     processor = Qwen3VLProcessor.from_pretrained(init)
 
     def dataset(path):
-        return SFTDataset(path, processor, batch_size=args.batch_size, max_length=LENGTH_BUCKETS[-1],
-                          length_buckets=LENGTH_BUCKETS, vision_buckets=VISION_BUCKETS, seed=args.seed, strict=True)
+        return SFTDataset(path, processor, batch_size=args.batch_size, max_length=max(args.length_buckets),
+                          length_buckets=tuple(sorted(args.length_buckets)), vision_buckets=VISION_BUCKETS,
+                          seed=args.seed, strict=True)
 
-    data = dataset(data_path)
+    sequence_data = [dataset(path) for path in sequence_paths]
+    data = sequence_data[-1] if sequence else dataset(data_path)
     warm = dataset(warm_path) if args.warm_steps else None
     plain = dataset(plain_path) if args.plain_steps else None
     model = Qwen3VL.from_pretrained(init, dtype=jnp.float32, param_dtype=jnp.float32)
@@ -279,7 +357,13 @@ def main(argv=None) -> int:
     phases = [("warm", warm, args.warm_steps)] if args.warm_steps else []
     if args.plain_steps:
         phases.append(("plain", plain, args.warm_steps + args.plain_steps))
-    phases.append(("main", data, args.steps))  # one schedule over all: the update count carries on
+    if sequence:
+        until = 0
+        for k, ((name, updates), phase_data) in enumerate(zip(sequence, sequence_data)):
+            until += updates
+            phases.append((f"{k}-{name}", phase_data, until))
+    else:
+        phases.append(("main", data, args.steps))  # one schedule over all: the update count carries on
     for name, phase_data, until in phases:
         train(trainer, phase_data, steps=until, out_dir=os.path.join(run_dir, name), seed=args.seed,
               save_every=until, keep=1)
@@ -295,12 +379,13 @@ def main(argv=None) -> int:
         model.save_hf(staging, dtype="float32")
         copy_side_files(init, staging)  # the initial config.json: the same architecture, plus the token ids
     timings["total_s"] = time.perf_counter() - clock
-    report = {"seed": args.seed, "rows": len(data.rows), "steps": args.steps, "warm_steps": args.warm_steps,
+    rows = sum(len(d.rows) for d in sequence_data) if sequence else len(data.rows)
+    report = {"seed": args.seed, "rows": rows, "steps": args.steps, "warm_steps": args.warm_steps,
               "warm_rows": args.warm_rows, "plain_steps": args.plain_steps,
               "plain_rows": args.plain_rows if args.plain_steps else 0, "extra_questions": args.extra_questions,
               "mc_fraction": args.mc_fraction, "patch_init": args.patch_init, "qk_norm_gain": args.qk_norm_gain,
               "warm_drills": args.warm_drills, "drills": args.drills, "warmup_steps": args.warmup_steps,
-              "batch_size": args.batch_size,
+              "batch_size": args.batch_size, "sequence": args.sequence,
               "learning_rate": args.learning_rate, "width": args.width, "parameters": count_params(model),
               "families": list(families), "timings": timings}
     print(f"trained in {timings['train_s'] / 60:.1f} min ({timings['total_s'] / 60:.1f} min with data)", flush=True)

@@ -228,3 +228,31 @@ def test_initial_weight_choices_of_the_training_script():
         script.initial_tensors(config, 3, patch_init="grey")
     with pytest.raises(ValueError, match="qk_norm_gain"):
         script.initial_tensors(config, 3, qk_norm_gain=0.0)
+
+
+def test_sequence_phases_of_the_training_script(tmp_path):
+    """`--sequence FAMILY:UPDATES ...`: parsed strictly; phase k holds its family's items and, after the
+    first, half a replay of the earlier phases' families; `all` is the full mix; bad entries and
+    options the sequence replaces are refused naming them."""
+    from qwen3vl_jax.pruning import synthetic
+
+    script = load_script("train_tiny_default")
+    families = synthetic.FAMILIES
+    phases = script.parse_sequence(["position:3", "direction:2", "position:1", "all:2"], families)
+    assert phases == [("position", 3), ("direction", 2), ("position", 1), ("all", 2)]
+    first = script.sequence_items(phases, 0, 6, families, seed=0)
+    assert [item.family for item in first] == ["position"] * 6
+    second = script.sequence_items(phases, 1, 6, families, seed=0)
+    assert sorted(item.family for item in second) == ["direction"] * 3 + ["position"] * 3
+    again = script.sequence_items(phases, 2, 4, families, seed=0)  # replays direction, not itself
+    assert sorted(item.family for item in again) == ["direction"] * 2 + ["position"] * 2
+    mixed = script.sequence_items(phases, 3, 14, families, seed=0)
+    assert {item.family for item in mixed} == set(families)
+    for bad, message in ((["position"], "FAMILY:UPDATES"), (["position:0"], "UPDATES >= 1"),
+                         (["size:3"], "'size' is not one of")):
+        with pytest.raises(ValueError, match=message):
+            script.parse_sequence(bad, families)
+    for argv in (["--sequence", "position:x"], ["--sequence", "position:3", "--steps", "5"],
+                 ["--sequence", "position:3", "--plain-steps", "1"]):
+        with pytest.raises(SystemExit):
+            script.main(["--out", str(tmp_path / "out"), *argv])
