@@ -305,19 +305,21 @@ def main(argv=None) -> int:
     clock = time.perf_counter()
     init = build_initial(os.path.join(args.out, "init"), args.seed, vision, text, args.patch_init,
                          args.qk_norm_gain)
-    sequence_paths = []
+    main_paths = []  # (phase name, JSONL, the update count it trains to): the main phase, or --sequence's
+    until = 0
     for k, (name, updates) in enumerate(sequence or ()):  # --sequence: one data set per phase
         rows = max(1, updates * args.batch_size // SEQUENCE_EPOCHS)
         mixed = name == "all"
-        sequence_paths.append(write_sft_dataset(
+        until += updates
+        main_paths.append((f"{k}-{name}", write_sft_dataset(
             sequence_items(sequence, k, rows, families, args.seed), os.path.join(args.out, f"data-{k}-{name}"),
             mc_fraction=args.mc_fraction if mixed else 0.0, seed=args.seed + k,
-            letter_drills=args.drills if mixed else 0))
+            letter_drills=args.drills if mixed else 0), until))
     if not sequence:
         items = synthetic.make_set(args.rows, seed=args.seed, families=families)
-        data_path = write_sft_dataset(items, os.path.join(args.out, "data"), mc_fraction=args.mc_fraction,
-                                      seed=args.seed, extra_questions=args.extra_questions,
-                                      letter_drills=args.drills)
+        main_paths.append(("main", write_sft_dataset(
+            items, os.path.join(args.out, "data"), mc_fraction=args.mc_fraction, seed=args.seed,
+            extra_questions=args.extra_questions, letter_drills=args.drills), args.steps))
         del items
     if args.plain_steps:  # the second phase: the family mix on plain backgrounds (see PLAIN)
         plain_items = synthetic.make_set(args.plain_rows, seed=args.seed + PLAIN_SEED, families=families,
@@ -340,14 +342,16 @@ def main(argv=None) -> int:
                           length_buckets=tuple(sorted(args.length_buckets)), vision_buckets=VISION_BUCKETS,
                           seed=args.seed, strict=True)
 
-    sequence_data = [dataset(path) for path in sequence_paths]
-    data = sequence_data[-1] if sequence else dataset(data_path)
+    main = [(name, dataset(path), until) for name, path, until in main_paths]
     warm = dataset(warm_path) if args.warm_steps else None
     plain = dataset(plain_path) if args.plain_steps else None
     model = Qwen3VL.from_pretrained(init, dtype=jnp.float32, param_dtype=jnp.float32)
     timings["scan_s"] = time.perf_counter() - clock - timings["data_s"]
-    print(f"{count_params(model):,} parameters; {len(data.rows)} rows, {data.batches_per_epoch} batches per epoch "
-          f"in shapes {data.shapes()}; jax {jax.__version__} on {jax.default_backend()}; data "
+    rows = sum(len(data.rows) for _, data, _ in main)
+    batches = sum(data.batches_per_epoch for _, data, _ in main)
+    shapes = sorted({shape for _, data, _ in main for shape in data.shapes()})
+    print(f"{count_params(model):,} parameters; {rows} rows, {batches} batches per epoch "
+          f"in shapes {shapes}; jax {jax.__version__} on {jax.default_backend()}; data "
           f"{timings['data_s']:.0f} s, scan {timings['scan_s']:.0f} s", flush=True)
     config = OptimConfig(learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, total_steps=args.steps,
                          end_learning_rate_ratio=0.05, weight_decay=0.01, max_grad_norm=1.0)
@@ -357,13 +361,7 @@ def main(argv=None) -> int:
     phases = [("warm", warm, args.warm_steps)] if args.warm_steps else []
     if args.plain_steps:
         phases.append(("plain", plain, args.warm_steps + args.plain_steps))
-    if sequence:
-        until = 0
-        for k, ((name, updates), phase_data) in enumerate(zip(sequence, sequence_data)):
-            until += updates
-            phases.append((f"{k}-{name}", phase_data, until))
-    else:
-        phases.append(("main", data, args.steps))  # one schedule over all: the update count carries on
+    phases += main  # one schedule over all: the update count carries on
     for name, phase_data, until in phases:
         train(trainer, phase_data, steps=until, out_dir=os.path.join(run_dir, name), seed=args.seed,
               save_every=until, keep=1)
@@ -379,7 +377,6 @@ def main(argv=None) -> int:
         model.save_hf(staging, dtype="float32")
         copy_side_files(init, staging)  # the initial config.json: the same architecture, plus the token ids
     timings["total_s"] = time.perf_counter() - clock
-    rows = sum(len(d.rows) for d in sequence_data) if sequence else len(data.rows)
     report = {"seed": args.seed, "rows": rows, "steps": args.steps, "warm_steps": args.warm_steps,
               "warm_rows": args.warm_rows, "plain_steps": args.plain_steps,
               "plain_rows": args.plain_rows if args.plain_steps else 0, "extra_questions": args.extra_questions,
