@@ -15,9 +15,11 @@ figures.
 
 Scoring (`evaluate`): "mc" asks the multiple-choice form (the ablation's prompt, `tasks.mc_prompt`)
 and picks the option letter with the highest log-probability as the first answer token
-(`generate.next_token_logits`, the prefill greedy generation runs); "open" asks the open question
-(`synthetic.to_task_item(item, "open")`) and decodes greedily, right when the decoded text, stripped,
-equals the answer.
+(`generate.next_token_logits`, the prefill greedy generation runs); "option" asks the open question
+and picks, among the same four options, the word with the highest log-probability as the first
+answer token (the cloze form of the multiple-choice item, the ablation's `score="option"`); "open"
+asks the open question (`synthetic.to_task_item(item, "open")`) and decodes greedily, right when the
+decoded text, stripped, equals the answer. The model is trained on the "mc" and "open" forms.
 """
 
 from __future__ import annotations
@@ -33,14 +35,15 @@ from .generate import next_token_logits
 from .model import MODEL_INPUTS
 from .pruning.synthetic import (COUNTS, DIRECTIONS, PALETTE, POSITIONS, QUESTIONS, SHAPES, WHEN_HIDDEN, SyntheticItem,
                                 draw_options, to_task_item)
-from .pruning.tasks import mc_prompt, option_letters
+from .pruning.tasks import mc_prompt, option_letters, single_token_ids
 from .testing import write_video
 
-__all__ = ["DEFAULT_MODEL_DIR", "FORMS", "TRAIN_SEED", "WARM_SEED", "default_checkpoint", "item_prompt", "item_inputs",
-           "write_sft_dataset", "letter_drill", "ANSWER_WORDS", "Scored", "evaluate", "accuracy"]
+__all__ = ["DEFAULT_MODEL_DIR", "FORMS", "SCORED_FORMS", "TRAIN_SEED", "WARM_SEED", "default_checkpoint", "item_prompt",
+           "item_inputs", "write_sft_dataset", "letter_drill", "ANSWER_WORDS", "Scored", "evaluate", "accuracy"]
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
-FORMS = ("mc", "open")
+FORMS = ("mc", "open")  # the forms an item is asked (and trained) in
+SCORED_FORMS = ("mc", "option", "open")  # what `evaluate` scores: "option" asks the open form
 TRAIN_SEED = 0  # the shipped default's training items come from this seed (and its colour warm-up phase
 WARM_SEED = 1_000_000  # from this one, scripts/train_tiny_default.py); held-out sets use any other
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -57,16 +60,16 @@ def default_checkpoint() -> str:
     return DEFAULT_MODEL_DIR
 
 
-def _check_form(form: str) -> None:
-    if form not in FORMS:
-        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+def _check_form(form: str, forms: Sequence[str] = FORMS) -> None:
+    if form not in forms:
+        raise ValueError(f"form must be one of {tuple(forms)}, got {form!r}")
 
 
 def item_prompt(item: SyntheticItem, form: str = "open") -> tuple[str, str]:
     """`(user text, reply)` of `item` asked in `form`: "open" the open question and the word, "mc" the
-    ablation's multiple-choice prompt and the option letter."""
-    _check_form(form)
-    task = to_task_item(item, form)
+    ablation's multiple-choice prompt and the option letter; "option" as "open"."""
+    _check_form(form, SCORED_FORMS)
+    task = to_task_item(item, "mc" if form == "mc" else "open")
     if form == "mc":
         return mc_prompt(task.question, task.options), task.answer
     return task.question, task.answer
@@ -176,29 +179,19 @@ class Scored:
 
     index: int  # the item's position in the evaluated list
     family: str
-    form: str  # "mc" or "open"
-    truth: str  # the letter (mc) or the word (open)
+    form: str  # "mc", "option" or "open"
+    truth: str  # the letter (mc) or the word (option, open)
     prediction: str
     correct: bool
     tokens: tuple[int, ...] = ()  # open: the greedy ids after the prompt
 
 
-def _letter_ids(processor) -> dict[str, int]:
-    ids = {}
-    for letter in "ABCD":
-        tokens = processor.tokenizer.encode(letter, add_special_tokens=False).ids
-        if len(tokens) != 1:
-            raise ValueError(f"option letter {letter!r} is {len(tokens)} tokens; log-likelihood scoring needs one")
-        ids[letter] = tokens[0]
-    return ids
-
-
-def evaluate(model, processor, items: Sequence[SyntheticItem], *, forms: Sequence[str] = FORMS,
+def evaluate(model, processor, items: Sequence[SyntheticItem], *, forms: Sequence[str] = SCORED_FORMS,
              max_new_tokens: int = 4, vision_encoder=None, progress: bool = False) -> list[Scored]:
-    """Ask every item in every form (see the module docstring); one `Scored` per (item, form)."""
+    """Score every item in every form (see the module docstring); one `Scored` per (item, form)."""
     for form in forms:
-        _check_form(form)
-    letter_ids = _letter_ids(processor) if "mc" in forms else {}
+        _check_form(form, SCORED_FORMS)
+    letter_ids = dict(zip("ABCD", single_token_ids(processor.tokenizer, "ABCD", "option letter"))) if "mc" in forms else {}
     work = [(i, item, form) for i, item in enumerate(items) for form in forms]
     if progress:
         from tqdm.auto import tqdm
@@ -209,9 +202,11 @@ def evaluate(model, processor, items: Sequence[SyntheticItem], *, forms: Sequenc
         batch = item_inputs(processor, item, form)
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         _, truth = item_prompt(item, form)
-        if form == "mc":
+        if form in ("mc", "option"):
             logits = next_token_logits(model, **inputs, vision_encoder=vision_encoder)[0]
-            prediction = max(letter_ids, key=lambda x: logits[letter_ids[x]])
+            choices = letter_ids if form == "mc" else dict(zip(item.options, single_token_ids(
+                processor.tokenizer, item.options, f"{item.family} option")))
+            prediction = max(choices, key=lambda x: logits[choices[x]])
             out.append(Scored(i, item.family, form, truth, prediction, prediction == truth))
         else:
             length = inputs["input_ids"].shape[1]

@@ -7,13 +7,16 @@ family, and fidelity against the unpruned run.
         [--items 30 --task-seed 2028 | --dataset FILE.jsonl | --synthetic N | --video FILE ... | --builtin-clips]
         [--methods evs vidcom2 random spatial_grid temporal divprune fastv fastv@8 pyramiddrop]
         [--rates 0 0.25 0.5 0.75 0.9]
-        [--score loglik|generate] [--fps 2] [--max-frames 768] [--continuation 16] [--timing-repeats 3]
+        [--score loglik|generate|option] [--fps 2] [--max-frames 768] [--continuation 16] [--timing-repeats 3]
         [--bucketed]
 
 With no data argument: `--items` held-out items per video family (direction, order, hidden) of
 `qwen3vl_jax.pruning.synthetic`, drawn from `--task-seed` (the default was trained on seed 0 only),
 written to OUT/tasks/ (dataset.jsonl, open.jsonl, the clips), scored by log-likelihood, with the
 accuracy per family in summary.csv, the plot and a Markdown table (OUT/accuracy.md).
+--score: "loglik" (the option letter as the first answer token), "generate" (a few greedy tokens,
+the letter parsed) or "option" (the question without options, each option's text scored as the
+first answer token: the cloze form of the same items; `pruning.ablation`).
 --dataset: one multiple-choice item per line, {"video": "clip.mp4", "question": "...",
 "options": ["A. ...", "B. ..."], "answer": "B"} ("image" instead of "video" also works; optional
 "fps", "max_frames", "id"; format in docs/pruning.md §10). --synthetic N writes the older set of N
@@ -74,7 +77,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=os.path.join("runs", "ablation"))
     parser.add_argument("--methods", nargs="+", default=["evs", "vidcom2", "random", "spatial_grid", "temporal"])
     parser.add_argument("--rates", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 0.9])
-    parser.add_argument("--score", choices=("loglik", "generate"), default="loglik")
+    parser.add_argument("--score", choices=("loglik", "generate", "option"), default="loglik")
     parser.add_argument("--fps", type=float, default=2.0, help="sampling fps for items that set none")
     parser.add_argument("--max-frames", type=int, default=768, help="frame cap for items that set none")
     parser.add_argument("--continuation", type=int, default=16, help="greedy tokens compared per row")

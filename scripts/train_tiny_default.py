@@ -194,7 +194,7 @@ def sequence_items(phases: list[tuple[str, int]], index: int, rows: int, familie
 
 
 def evaluate_heldout(path: str, n_per_family: int, seed: int) -> dict:
-    """Held-out accuracy per family (fresh items from `seed`), multiple-choice and open."""
+    """Held-out accuracy per family (fresh items from `seed`) in each of `default.SCORED_FORMS`."""
     from qwen3vl_jax import EncoderRunner, Qwen3VL, Qwen3VLProcessor, default
     from qwen3vl_jax.pruning import synthetic
 
@@ -292,7 +292,7 @@ def main(argv=None) -> int:
 
     from qwen3vl_jax import Qwen3VL, Qwen3VLProcessor, count_params
     from qwen3vl_jax.convert import atomic_directory, copy_side_files
-    from qwen3vl_jax.default import DEFAULT_MODEL_DIR, WARM_SEED, write_sft_dataset
+    from qwen3vl_jax.default import DEFAULT_MODEL_DIR, SCORED_FORMS, WARM_SEED, write_sft_dataset
     from qwen3vl_jax.training import OptimConfig, SFTDataset, Trainer
     from qwen3vl_jax.training.run import plot_losses, train
 
@@ -388,9 +388,9 @@ def main(argv=None) -> int:
     print(f"trained in {timings['train_s'] / 60:.1f} min ({timings['total_s'] / 60:.1f} min with data)", flush=True)
     if args.eval_items:
         report["heldout"] = evaluate_heldout(final, args.eval_items, args.eval_seed)
-        print(f"\n{'family':<11}{'mc':>7}{'open':>7}")
+        print(f"\n{'family':<11}" + "".join(f"{form:>8}" for form in SCORED_FORMS))
         for family, acc in report["heldout"]["accuracy"].items():
-            print(f"{family:<11}{acc['mc']:>7.3f}{acc['open']:>7.3f}")
+            print(f"{family:<11}" + "".join(f"{acc[form]:>8.3f}" for form in SCORED_FORMS))
     with open(os.path.join(args.out, "eval.json"), "w") as f:
         json.dump(report, f, indent=2)
     print(f"wrote {final} and {os.path.join(args.out, 'eval.json')}")

@@ -89,6 +89,7 @@ DROP = object()  # a key left out of the line
     ({"max_frames": 1}, r":2: \"max_frames\" must be an integer >= 2"),
     ({"question": ""}, r":2: \"question\" must be a non-empty string"),
     ({"extra": 1}, r":2: unknown keys \['extra'\]"),
+    ({"open_question": " "}, r":2: \"open_question\" must be a non-empty string"),
 ])
 def test_bad_dataset_lines_name_the_line(tmp_path, change, match):
     bad = {k: v for k, v in {**GOOD, **change}.items() if v is not DROP}
@@ -185,6 +186,21 @@ def test_ablation_refuses_bad_settings(jax_model, processor, tmp_path):
         run_ablation(jax_model, processor, clips, out_dir=str(tmp_path), methods=("evs",), rates=(1.0,))
     with pytest.raises(ValueError, match="score must be"):
         run_ablation(jax_model, processor, clips, out_dir=str(tmp_path), score="vote")
+
+
+def test_option_scoring_refuses_options_of_several_tokens(jax_model, processor, tmp_path):
+    """score="option" scores each option's text as the first answer token: an option the tokenizer
+    splits is refused, naming the item and the option, before any row runs."""
+    (tmp_path / "clip.npy").write_bytes(b"")
+    words = ["x", "y"]
+    long = "zzqxj" * 3
+    assert len(processor.tokenizer.encode(long, add_special_tokens=False).ids) > 1
+    (tmp_path / "set.jsonl").write_text(json.dumps({"video": "clip.npy", "question": "Q?", "id": "q1",
+                                                     "options": words + [long], "answer": "A"}) + "\n")
+    with pytest.raises(ValueError, match=r"item q1: option 'zzqxjzzqxjzzqxj' is \d+ tokens"):
+        run_ablation(jax_model, processor, load_dataset(tmp_path / "set.jsonl"), out_dir=str(tmp_path / "out"),
+                     score="option", methods=("evs",), rates=(0.5,), progress=False)
+    assert not (tmp_path / "out" / "ablation.jsonl").exists()
 
 
 def test_image_items(jax_model, processor, tmp_path):

@@ -50,12 +50,34 @@ def test_held_out_colour_answers_on_a_fresh_set(shipped):
     _, model, processor = shipped
     items = synthetic.make_set(PER_FAMILY, seed=HELD_OUT_SEED, families=("color",))
     scored = default.evaluate(model, processor, items)
-    assert [(s.index, s.form) for s in scored] == [(i, f) for i in range(PER_FAMILY) for f in default.FORMS]
+    assert [(s.index, s.form) for s in scored] == [(i, f) for i in range(PER_FAMILY) for f in default.SCORED_FORMS]
     table = default.accuracy(scored)
     assert table["color"]["open"] >= 5 / 6, table
+    assert table["color"]["option"] >= 5 / 6, table  # the same knowledge, scored over the four options
     palette = set(synthetic.PALETTE)
-    assert all(s.prediction in palette for s in scored if s.form == "open")
+    assert all(s.prediction in palette for s in scored if s.form in ("open", "option"))
     assert all(s.prediction in "ABCD" for s in scored if s.form == "mc")
+
+
+def test_option_scoring_in_the_ablation_agrees_with_evaluate(shipped, tmp_path):
+    """The ablation's score="option" on the items written as its JSONL (the open question carried as
+    `open_question`) picks the same options as `default.evaluate`'s "option" form, and so keeps the
+    default's colour knowledge: at least 5 of 6 fresh items right, unpruned and with half the image
+    tokens kept by DivPrune."""
+    from qwen3vl_jax.pruning.ablation import run_ablation, summarize
+    from qwen3vl_jax.pruning.tasks import load_dataset
+
+    _, model, processor = shipped
+    items = synthetic.make_set(PER_FAMILY, seed=HELD_OUT_SEED + 2, families=("color",))
+    tasks = load_dataset(synthetic.write_jsonl(items, tmp_path / "set"))
+    rows = run_ablation(model, processor, tasks, out_dir=str(tmp_path / "out"), methods=("divprune",),
+                        rates=(0.0, 0.5), score="option", continuation=1, timing_repeats=1, progress=False)
+    unpruned = {r.item: r for r in rows if r.method == "none"}
+    expected = default.evaluate(model, processor, items, forms=("option",))
+    for task, scored in zip(tasks, expected):
+        assert task.words[task.letters.index(unpruned[task.id].prediction)] == scored.prediction
+    for s in summarize(rows):
+        assert s.accuracy >= 5 / 6, s
 
 
 def test_evaluate_refuses_an_unknown_form(shipped):

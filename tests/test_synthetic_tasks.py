@@ -211,7 +211,9 @@ def test_task_items_and_jsonl_round_trip(items, tmp_path):
         media = np.load(task.media) if item.kind == "video" else np.asarray(Image.open(task.media).convert("RGB"))
         assert np.array_equal(media, item.media)  # lossless: the pixels still determine the answer
         word = task.options[task.letters.index(task.answer)].split(". ", 1)[1]
-        assert word == item.answer
+        assert word == item.answer and task.words[task.letters.index(task.answer)] == item.answer
+        assert task.words == list(item.options)
+        assert task.open_question == synthetic.to_task_item(item, "open").question  # the cloze prompt
         if item.kind == "video":
             assert task.fps == item.fps and task.max_frames == len(item.media)
     with open(tmp_path / "set" / "open.jsonl") as f:

@@ -15,7 +15,11 @@ layer over the tokens it holds), since in-LLM methods save compute only after th
 
 Scoring (`score=`): "loglik" picks the option letter with the highest log-probability as the first
 answer token (deterministic, one forward pass); "generate" decodes a few greedy tokens and parses
-the letter (`tasks.parse_letter`; no letter counts as wrong).
+the letter (`tasks.parse_letter`; no letter counts as wrong); "option" asks the question without
+its options (`TaskItem.open_question`, else the question) and picks the option whose text has the
+highest log-probability as the answer's first token (a cloze form of the same item: it needs each
+option's text to be one token, and measures what the model knows without asking it to point at a
+letter).
 
 Rows are appended to `ablation.jsonl` as they finish, so an interrupted run resumes where it
 stopped; `ablation.csv` (rows), `summary.csv` (per method x rate: accuracy with a 95% bootstrap
@@ -40,15 +44,16 @@ from ..generate import next_token_logits
 from ..model import MODEL_INPUTS
 from .llm import llm_option, prefill_flops
 from .registry import get_method, media, method_kind, validate_llm_pruning, validate_video_pruning
-from .tasks import TaskItem, mc_prompt, parse_letter
+from .tasks import TaskItem, mc_prompt, parse_letter, single_token_ids
 
 __all__ = ["AblationRow", "SummaryRow", "builtin_videos", "video_items", "run_ablation", "summarize",
-           "bootstrap_ci", "write_csv", "plot", "DEFAULT_RATES", "DEFAULT_METHODS"]
+           "bootstrap_ci", "write_csv", "plot", "DEFAULT_RATES", "DEFAULT_METHODS", "SCORES"]
 
 DEFAULT_RATES = (0.0, 0.25, 0.5, 0.75, 0.9)
 DEFAULT_METHODS = ("evs", "vidcom2")
 UNPRUNED = "none"  # the method name of the rate-0 rows
 DEFAULT_PROMPT = "Describe what happens in this video."
+SCORES = ("loglik", "generate", "option")
 
 
 @dataclasses.dataclass
@@ -56,7 +61,7 @@ class AblationRow:
     item: str
     method: str
     rate: float
-    score: str  # "loglik" or "generate"
+    score: str  # "loglik", "generate" or "option"
     fps: float
     max_frames: int
     video_tokens: int  # visual tokens of the unpruned prompt
@@ -188,8 +193,8 @@ def run_ablation(
     `families`: item id -> task family; `summary.csv` and the plot then break accuracy down by family
     (`summarize`).
     """
-    if score not in ("loglik", "generate"):
-        raise ValueError(f"score must be 'loglik' or 'generate', got {score!r}")
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
     layers = model.config.text.num_hidden_layers
 
     def in_llm(method):  # "fastv@2" names the registered "fastv"
@@ -217,15 +222,16 @@ def run_ablation(
     plan = [(item, UNPRUNED, 0.0) for item in items if 0 in rates]
     plan += [(item, m, float(r)) for item in items for m in methods for r in rates if r != 0]
     todo = [(item, m, r) for item, m, r in plan if (item.id, m, r) not in done]
-    letter_ids = {}
+    def answer_ids(item: TaskItem) -> list[int]:
+        """The token each option is scored by: its letter ("loglik") or its text ("option")."""
+        if score == "option":
+            return single_token_ids(processor.tokenizer, item.words, f"item {item.id}: option")
+        return single_token_ids(processor.tokenizer, item.letters, "option letter")
 
-    def letter_token(letter):
-        if letter not in letter_ids:
-            tokens = processor.tokenizer.encode(letter, add_special_tokens=False).ids
-            if len(tokens) != 1:
-                raise ValueError(f"option letter {letter!r} is {len(tokens)} tokens; loglik scoring needs one")
-            letter_ids[letter] = tokens[0]
-        return letter_ids[letter]
+    if score != "generate":  # every option checked before any work
+        for item in items:
+            if item.options:
+                answer_ids(item)
 
     def options(item: TaskItem, method, rate):
         """The model's keywords for `method` at `rate` on `item` (empty: the item runs whole)."""
@@ -240,7 +246,12 @@ def run_ablation(
         return {"image_pruning": (method, rate)}
 
     def inputs_for(item: TaskItem, pruning: dict):
-        text = mc_prompt(item.question, item.options) if item.options else item.question
+        if not item.options:
+            text = item.question
+        elif score == "option":
+            text = item.open_question or item.question
+        else:
+            text = mc_prompt(item.question, item.options)
         content = [{"type": item.kind}, {"type": "text", "text": text}]
         prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
         rate_fps, cap = item.fps or fps, item.max_frames or max_frames
@@ -293,9 +304,8 @@ def run_ablation(
         prediction = None
         if item.options:
             letters = item.letters
-            if score == "loglik":
-                logp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
-                prediction = letters[int(np.argmax([logp[letter_token(x)] for x in letters]))]
+            if score != "generate":  # the option whose letter / text is the likeliest first token
+                prediction = letters[int(np.argmax(logits[answer_ids(item)]))]
             else:
                 prediction = parse_letter(processor.decode(tokens[:answer_tokens]), letters)
         return dict(logits=logits, tokens=tokens[:continuation], kept=kept, fps=rate_fps, cap=cap,

@@ -372,17 +372,18 @@ def make_set(n: int, seed: int, families=FAMILIES, ranges: TaskRanges | None = N
 
 def to_task_item(item: SyntheticItem, mode: str = "mc", item_id: str = "item") -> TaskItem:
     """The item as a `TaskItem` with its media in memory. "mc": the 4 options as "A. red" ... and the
-    answer's letter; "open": no options, the question with a one-word instruction and `answer` the word
-    (the ablation's loader reads only mc items)."""
+    answer's letter, with the open question as `open_question` (for option scoring); "open": no
+    options, the question with a one-word instruction and `answer` the word (the ablation's loader
+    reads only mc items)."""
+    frames = len(item.media) if item.kind == "video" else None
+    open_question = item.question + OPEN_SUFFIX.get(item.family, " Answer with one word.")
     if mode == "mc":
         options = tuple(f"{letter}. {word}" for letter, word in zip(option_letters(item.options), item.options))
         letter = option_letters(item.options)[item.options.index(item.answer)]
-        return TaskItem(item_id, item.kind, item.media, item.question, options, letter, item.fps,
-                        len(item.media) if item.kind == "video" else None)
+        return TaskItem(item_id, item.kind, item.media, item.question, options, letter, item.fps, frames,
+                        open_question)
     if mode == "open":
-        question = item.question + OPEN_SUFFIX.get(item.family, " Answer with one word.")
-        return TaskItem(item_id, item.kind, item.media, question, (), item.answer, item.fps,
-                        len(item.media) if item.kind == "video" else None)
+        return TaskItem(item_id, item.kind, item.media, open_question, (), item.answer, item.fps, frames)
     raise ValueError(f"mode: 'mc' or 'open', got {mode!r}")
 
 
@@ -420,7 +421,7 @@ def write_jsonl(items, directory: str | os.PathLike, name: str = "dataset.jsonl"
             media = f"{item_id}.png"
             _atomic(os.path.join(directory, media), lambda f, a=item.media: Image.fromarray(a).save(f, "PNG"))
         record = {"id": item_id, item.kind: media, "question": mc.question, "options": list(mc.options),
-                  "answer": mc.answer}
+                  "answer": mc.answer, "open_question": mc.open_question}
         if item.kind == "video":
             record.update(fps=item.fps, max_frames=mc.max_frames)
         mc_lines.append(json.dumps(record) + "\n")

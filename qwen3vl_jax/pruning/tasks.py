@@ -4,13 +4,15 @@ answer parsing, and a generator of small synthetic sets whose answers are knowab
 One item per line (docs/pruning.md §10):
 
     {"video": "clip.mp4", "question": "...", "options": ["A. ...", "B. ..."], "answer": "B",
-     "fps": 2, "max_frames": 32, "id": "optional name"}
+     "fps": 2, "max_frames": 32, "id": "optional name", "open_question": "..."}
 
 `"image"` instead of `"video"` also works. Paths are relative to the JSONL file. A `.npy` video is
 an array of decoded frames `(T, H, W, 3)` uint8 taken as recorded at the item's fps (so sampling at
 that fps keeps every frame, up to the frame cap); other paths are decoded by the processor (PyAV).
 An option's letter is its `"X."` / `"X)"` / `"X:"` prefix, or A, B, C... by position when options
-carry no prefix; the answer must be one of those letters.
+carry no prefix; the answer must be one of those letters. `"open_question"` (optional) is the question
+as asked without options, for option scoring (`option_words`: each option's text is scored as the
+answer; default: `"question"`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import re
 
 import numpy as np
 
-__all__ = ["TaskItem", "load_dataset", "option_letters", "mc_prompt", "parse_letter", "synthetic_dataset",
-           "SYNTHETIC_COLORS", "SYNTHETIC_DIRECTIONS"]
+__all__ = ["TaskItem", "load_dataset", "option_letters", "option_words", "single_token_ids", "mc_prompt",
+           "parse_letter", "synthetic_dataset", "SYNTHETIC_COLORS", "SYNTHETIC_DIRECTIONS"]
 
 _PREFIX = re.compile(r"^\s*([A-Z])\s*[.):]")
 ANSWER_INSTRUCTION = "Answer with the option's letter from the given choices directly."
@@ -41,10 +43,15 @@ class TaskItem:
     answer: str | None = None  # the correct option's letter
     fps: float | None = None
     max_frames: int | None = None
+    open_question: str | None = None  # the question without options (option scoring; default: question)
 
     @property
     def letters(self) -> list[str]:
         return option_letters(self.options)
+
+    @property
+    def words(self) -> list[str]:
+        return option_words(self.options)
 
 
 def option_letters(options) -> list[str]:
@@ -53,6 +60,26 @@ def option_letters(options) -> list[str]:
     if options and all(found):
         return [m.group(1) for m in found]
     return [chr(ord("A") + i) for i in range(len(options))]
+
+
+def option_words(options) -> list[str]:
+    """Each option's text without its letter prefix ("A. red" -> "red")."""
+    if options and all(_PREFIX.match(o) for o in options):
+        return [o[_PREFIX.match(o).end():].strip() for o in options]
+    return [o.strip() for o in options]
+
+
+def single_token_ids(tokenizer, texts, what: str) -> list[int]:
+    """The one token id of each text (log-likelihood scoring of a first answer token); ValueError naming
+    the text that is not exactly one token (`what`: e.g. "option letter")."""
+    ids = []
+    for text in texts:
+        tokens = tokenizer.encode(text, add_special_tokens=False).ids
+        if len(tokens) != 1:
+            raise ValueError(f"{what} {text!r} is {len(tokens)} tokens; log-likelihood scoring of the first answer "
+                             "token needs one")
+        ids.append(tokens[0])
+    return ids
 
 
 def mc_prompt(question: str, options) -> str:
@@ -129,17 +156,21 @@ def _item(record, where: str, base: str, default_id: str) -> TaskItem:
     if max_frames is not None and (isinstance(max_frames, bool) or not isinstance(max_frames, int)
                                    or max_frames < 2):
         raise ValueError(f"{where}: \"max_frames\" must be an integer >= 2, got {max_frames!r}")
+    open_question = record.get("open_question")
+    if open_question is not None and (not isinstance(open_question, str) or not open_question.strip()):
+        raise ValueError(f"{where}: \"open_question\" must be a non-empty string, got {open_question!r}")
     item_id = record.get("id", default_id)
     if not isinstance(item_id, str) or not item_id:
         raise ValueError(f"{where}: \"id\" must be a non-empty string, got {item_id!r}")
-    unknown = set(record) - {"video", "image", "question", "options", "answer", "fps", "max_frames", "id"}
+    unknown = set(record) - {"video", "image", "question", "options", "answer", "fps", "max_frames", "id",
+                             "open_question"}
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
     full = media if os.path.isabs(media) else os.path.join(base, media)
     if not os.path.isfile(full):
         raise ValueError(f"{where}: {kind} file {full} does not exist")
     return TaskItem(item_id, kind, full, question, tuple(options), answer.strip(),
-                    None if fps is None else float(fps), max_frames)
+                    None if fps is None else float(fps), max_frames, open_question)
 
 
 # ---------------------------------------------------------------------------------------------- synthetic
