@@ -25,6 +25,13 @@ generated greedy ids equal to f32's. No HF model is run for this part.
 `--moe`: the 30B-A3B widths instead (hidden 2048, 128 experts of width 768, top 8; HF's
 `Qwen3VLMoeForConditionalGeneration` beside ours); the decode bandwidth fraction then counts the
 weights a token actually reads: the attention, the router and its 8 active experts per layer.
+`--moe --parts experts`: one layer's experts alone (`moe.expert_ffn`, the CPU's `"tiled"` path,
+against the HF model's first `Qwen3VLMoeTextExperts` with the implementation HF picked, the same
+weights and routing)
+at 256, 512 and 1,024 tokens, then the product both sides' expert loops are made of, one expert's
+`[M, 2048] @ [2048, 1536]` at M = 16, 32, 64 rows (the rows an expert gets in those prefills), for 32
+experts in turn: XLA's `dot` in a `lax.map` (what the tiled path runs) against torch's `linear`, in
+GFLOP/s and as fractions of the matmul rate measured in the same run.
 """
 
 from __future__ import annotations
@@ -51,13 +58,16 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--llm-layers", type=int, default=4, help="decoder layers kept from the 2B preset")
-    parser.add_argument("--parts", nargs="+", choices=("vision", "generate"), default=["vision", "generate"])
+    parser.add_argument("--parts", nargs="+", choices=("vision", "generate", "experts"), default=["vision", "generate"],
+                        help="experts: one MoE layer's experts and their products alone (with --moe)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--moe", action="store_true", help="the 30B-A3B widths (routed experts) instead of 2B")
     parser.add_argument("--quantize", nargs="+", choices=("int8", "int4", "fp8"), default=None,
                         help="benchmark quantized decoding against f32 and bf16 instead")
     args = parser.parse_args(argv)
+    if "experts" in args.parts and not args.moe:
+        parser.error("--parts experts needs --moe")
 
     import jax
     import torch
@@ -85,6 +95,8 @@ def main(argv=None) -> None:
         ours = Qwen3VL.from_pretrained(tmp)
 
     limits = machine_limits(args.repeats)
+    if "experts" in args.parts:
+        bench_experts(hf, config, args.repeats, limits)
     if "vision" in args.parts:
         bench_vision(hf, ours, config, args.repeats, limits)
     if "generate" in args.parts:
@@ -109,6 +121,63 @@ def machine_limits(repeats: int) -> dict:
     print(f"machine (XLA, same run): f32 matmul {n}^3 {limits['flops'] / 1e9:.0f} GFLOP/s; "
           f"f32 matrix-vector {m}^2 {limits['bandwidth'] / 1e9:.1f} GB/s")
     return limits
+
+
+def bench_experts(hf_model, config, repeats: int, limits: dict) -> None:
+    """One MoE layer's experts (ours `"tiled"`, HF's experts module of `hf_model`'s first layer, with
+    the implementation HF picked for it) and the per-expert product."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from jax import lax
+    from qwen3vl_jax import moe
+
+    text = config.text
+    e, h, width, k = text.num_experts, text.hidden_size, text.moe_intermediate_size, text.num_experts_per_tok
+    rng = np.random.default_rng(0)
+    gate_up = rng.standard_normal((e, h, 2 * width), np.float32) * 0.02  # our layout [E, H, 2I]
+    down = rng.standard_normal((e, width, h), np.float32) * 0.02
+    hf = hf_model.model.language_model.layers[0].mlp.experts
+    with torch.no_grad():  # HF's module layout [E, 2I, H], [E, H, I]
+        hf.gate_up_proj.copy_(torch.from_numpy(gate_up).transpose(1, 2))
+        hf.down_proj.copy_(torch.from_numpy(down).transpose(1, 2))
+    gate_up_j, down_j = jnp.asarray(gate_up), jnp.asarray(down)
+    ffn = jax.jit(lambda x, chosen, weights, gu, dn: moe.expert_ffn(
+        x, moe.Routing(None, chosen, weights), gu, dn, implementation="tiled"))
+    print(f"MoE experts alone (one layer, f32; HF's experts implementation "
+          f"{getattr(hf.config, '_experts_implementation', None) or 'default'}):")
+    for tokens in (256, 512, 1024):
+        x = rng.standard_normal((tokens, h), np.float32)
+        routing = moe.route(jnp.asarray(rng.standard_normal((tokens, e), np.float32)), k)
+        chosen, weights = np.array(routing.experts), np.array(routing.weights)
+        args = (jnp.asarray(x), routing.experts, routing.weights, gate_up_j, down_j)
+        t_ours = _median_seconds(lambda: ffn(*args).block_until_ready(), repeats)
+        xt, ct, wt = torch.from_numpy(x), torch.from_numpy(chosen).long(), torch.from_numpy(weights)
+        with torch.no_grad():
+            t_hf = _median_seconds(lambda: hf(xt, ct, wt), repeats)
+            error = float(np.max(np.abs(np.asarray(ffn(*args)) - hf(xt, ct, wt).numpy())))
+        flops = 2 * tokens * k * h * 3 * width
+        print(f"  {tokens:5d} tokens ({tokens * k // e} rows per expert on average): ours {t_ours * 1e3:7.1f} ms "
+              f"({flops / t_ours / 1e9:.0f} GFLOP/s), HF {t_hf * 1e3:7.1f} ms ({flops / t_hf / 1e9:.0f}); "
+              f"HF / ours {t_hf / t_ours:.2f}; max |diff| {error:.1e}")
+
+    experts = 32
+    product = jax.jit(lambda x, w: lax.map(lambda pair: pair[0] @ pair[1], (x, w)))
+    w = rng.standard_normal((experts, h, 2 * width), np.float32)
+    w_j, w_t = jnp.asarray(w), torch.from_numpy(w).transpose(1, 2).contiguous()  # torch: [out, in]
+    print(f"one expert's [M, {h}] @ [{h}, {2 * width}] for {experts} experts in turn (f32):")
+    for rows in (16, 32, 64):
+        x = rng.standard_normal((experts, rows, h), np.float32)
+        x_j, x_t = jnp.asarray(x), torch.from_numpy(x)
+        t_xla = _median_seconds(lambda: product(x_j, w_j).block_until_ready(), repeats)
+        with torch.no_grad():
+            t_torch = _median_seconds(lambda: [torch.nn.functional.linear(x_t[i], w_t[i]) for i in range(experts)],
+                                      repeats)
+        flops = 2 * experts * rows * h * 2 * width
+        rate_xla, rate_torch = flops / t_xla, flops / t_torch
+        print(f"  M = {rows:3d}: XLA dot {rate_xla / 1e9:5.0f} GFLOP/s ({rate_xla / limits['flops']:.2f} of the "
+              f"matmul rate), torch linear {rate_torch / 1e9:5.0f} ({rate_torch / limits['flops']:.2f}); "
+              f"torch / XLA {rate_torch / rate_xla:.2f}")
 
 
 def vision_flops(config, grid) -> float:
