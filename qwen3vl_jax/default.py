@@ -38,8 +38,9 @@ from .pruning.synthetic import (COUNTS, DIRECTIONS, PALETTE, POSITIONS, QUESTION
 from .pruning.tasks import mc_prompt, option_letters, single_token_ids
 from .testing import write_video
 
-__all__ = ["DEFAULT_MODEL_DIR", "FORMS", "SCORED_FORMS", "TRAIN_SEED", "WARM_SEED", "default_checkpoint", "item_prompt",
-           "item_inputs", "write_sft_dataset", "letter_drill", "ANSWER_WORDS", "Scored", "evaluate", "accuracy"]
+__all__ = ["DEFAULT_MODEL_DIR", "FORMS", "SCORED_FORMS", "TRAIN_SEED", "WARM_SEED", "default_checkpoint",
+           "item_prompt", "item_inputs", "write_sft_dataset", "letter_drill", "ANSWER_WORDS", "Scored", "evaluate",
+           "accuracy"]
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
 FORMS = ("mc", "open")  # the forms an item is asked (and trained) in
@@ -60,15 +61,15 @@ def default_checkpoint() -> str:
     return DEFAULT_MODEL_DIR
 
 
-def _check_form(form: str, forms: Sequence[str] = FORMS) -> None:
-    if form not in forms:
-        raise ValueError(f"form must be one of {tuple(forms)}, got {form!r}")
+def _check_form(form: str) -> None:
+    if form not in SCORED_FORMS:
+        raise ValueError(f"form must be one of {SCORED_FORMS}, got {form!r}")
 
 
 def item_prompt(item: SyntheticItem, form: str = "open") -> tuple[str, str]:
     """`(user text, reply)` of `item` asked in `form`: "open" the open question and the word, "mc" the
     ablation's multiple-choice prompt and the option letter; "option" as "open"."""
-    _check_form(form, SCORED_FORMS)
+    _check_form(form)
     task = to_task_item(item, "mc" if form == "mc" else "open")
     if form == "mc":
         return mc_prompt(task.question, task.options), task.answer
@@ -190,8 +191,10 @@ def evaluate(model, processor, items: Sequence[SyntheticItem], *, forms: Sequenc
              max_new_tokens: int = 4, vision_encoder=None, progress: bool = False) -> list[Scored]:
     """Score every item in every form (see the module docstring); one `Scored` per (item, form)."""
     for form in forms:
-        _check_form(form, SCORED_FORMS)
-    letter_ids = dict(zip("ABCD", single_token_ids(processor.tokenizer, "ABCD", "option letter"))) if "mc" in forms else {}
+        _check_form(form)
+    letter_ids = {}
+    if "mc" in forms:
+        letter_ids = dict(zip("ABCD", single_token_ids(processor.tokenizer, "ABCD", "option letter")))
     work = [(i, item, form) for i, item in enumerate(items) for form in forms]
     if progress:
         from tqdm.auto import tqdm

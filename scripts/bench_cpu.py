@@ -86,13 +86,15 @@ def main(argv=None) -> None:
     print(f"{name} widths: vision depth {config.vision.depth}, hidden {config.vision.hidden_size}; "
           f"LLM layers kept {config.text.num_hidden_layers}")
     hf_class = getattr(transformers, f"Qwen3VL{'Moe' if args.moe else ''}ForConditionalGeneration")
-    with tempfile.TemporaryDirectory() as tmp:
-        hf = hf_class(config.to_hf_config()).eval()
-        hf.save_pretrained(tmp)
-        if args.quantize:
-            bench_quantized(tmp, config, args)
-            return
-        ours = Qwen3VL.from_pretrained(tmp)
+    hf = hf_class(config.to_hf_config()).eval()
+    ours = None
+    if args.quantize or {"vision", "generate"} & set(args.parts):  # (the experts part needs HF's model only)
+        with tempfile.TemporaryDirectory() as tmp:
+            hf.save_pretrained(tmp)
+            if args.quantize:
+                bench_quantized(tmp, config, args)
+                return
+            ours = Qwen3VL.from_pretrained(tmp)
 
     limits = machine_limits(args.repeats)
     if "experts" in args.parts:

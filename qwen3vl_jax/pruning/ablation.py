@@ -222,16 +222,15 @@ def run_ablation(
     plan = [(item, UNPRUNED, 0.0) for item in items if 0 in rates]
     plan += [(item, m, float(r)) for item in items for m in methods for r in rates if r != 0]
     todo = [(item, m, r) for item, m, r in plan if (item.id, m, r) not in done]
-    def answer_ids(item: TaskItem) -> list[int]:
-        """The token each option is scored by: its letter ("loglik") or its text ("option")."""
-        if score == "option":
-            return single_token_ids(processor.tokenizer, item.words, f"item {item.id}: option")
-        return single_token_ids(processor.tokenizer, item.letters, "option letter")
-
-    if score != "generate":  # every option checked before any work
+    # The token each option is scored by: its letter ("loglik") or its text ("option"); every item's
+    # options checked (one token each) before any work.
+    answer_ids = {}
+    if score != "generate":
         for item in items:
             if item.options:
-                answer_ids(item)
+                texts, what = ((item.words, f"item {item.id}: option") if score == "option"
+                               else (item.letters, "option letter"))
+                answer_ids[item.id] = single_token_ids(processor.tokenizer, texts, what)
 
     def options(item: TaskItem, method, rate):
         """The model's keywords for `method` at `rate` on `item` (empty: the item runs whole)."""
@@ -305,7 +304,7 @@ def run_ablation(
         if item.options:
             letters = item.letters
             if score != "generate":  # the option whose letter / text is the likeliest first token
-                prediction = letters[int(np.argmax(logits[answer_ids(item)]))]
+                prediction = letters[int(np.argmax(logits[answer_ids[item.id]]))]
             else:
                 prediction = parse_letter(processor.decode(tokens[:answer_tokens]), letters)
         return dict(logits=logits, tokens=tokens[:continuation], kept=kept, fps=rate_fps, cap=cap,
