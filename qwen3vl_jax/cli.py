@@ -149,8 +149,8 @@ def _generate(model, inputs, args, timings=None, callback=None):
 
 def demo_items(task_seed: int):
     """The demo's two questions: an image item and a video item of the synthetic tasks, drawn from
-    `task_seed` (a fresh seed is never one the default was trained on: its training items come from
-    `default.TRAIN_SEED` alone), the families picked by the seed too."""
+    `np.random.default_rng([task_seed, 28])` (a stream apart from the `make_set` seeds the default
+    trained on, `default.training_seeds()`), the families picked by the seed too."""
     from .pruning.synthetic import IMAGE_FAMILIES, VIDEO_FAMILIES, make_item
 
     rng = np.random.default_rng([task_seed, 28])

@@ -38,15 +38,30 @@ from .pruning.synthetic import (COUNTS, DIRECTIONS, PALETTE, POSITIONS, QUESTION
 from .pruning.tasks import mc_prompt, option_letters, single_token_ids
 from .testing import write_video
 
-__all__ = ["DEFAULT_MODEL_DIR", "FORMS", "SCORED_FORMS", "TRAIN_SEED", "WARM_SEED", "default_checkpoint",
+__all__ = ["DEFAULT_MODEL_DIR", "FORMS", "SCORED_FORMS", "TRAIN_SEED", "WARM_SEED", "SEQUENCE_SEED",
+           "SHIPPED_SEQUENCE_PHASES", "training_seeds", "default_checkpoint",
            "item_prompt", "item_inputs", "write_sft_dataset", "letter_drill", "ANSWER_WORDS", "Scored", "evaluate",
            "accuracy"]
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
 FORMS = ("mc", "open")  # the forms an item is asked (and trained) in
 SCORED_FORMS = ("mc", "option", "open")  # what `evaluate` scores: "option" asks the open form
-TRAIN_SEED = 0  # the shipped default's training items come from this seed (and its colour warm-up phase
-WARM_SEED = 1_000_000  # from this one, scripts/train_tiny_default.py); held-out sets use any other
+# Where scripts/train_tiny_default.py draws its training items (held-out sets use any other seed): from
+# --seed (TRAIN_SEED for the shipped default) plus WARM_SEED for a colour warm-up phase, and plus
+# SEQUENCE_SEED + 1000 k for phase k of a --sequence (its replay of the earlier families at + 500).
+TRAIN_SEED = 0
+WARM_SEED = 1_000_000
+SEQUENCE_SEED = 3_000_000
+SHIPPED_SEQUENCE_PHASES = 8  # the shipped default's --sequence (docs/tasks.md §8)
+
+
+def training_seeds() -> frozenset[int]:
+    """The seeds of every item the shipped default (or the previous default's recipe) trained on."""
+    base = TRAIN_SEED + SEQUENCE_SEED
+    return frozenset({TRAIN_SEED, TRAIN_SEED + WARM_SEED, *(base + 1000 * k + replay for k in
+                      range(SHIPPED_SEQUENCE_PHASES) for replay in (0, 500))})
+
+
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
              "preprocessor_config.json", "video_preprocessor_config.json")
 

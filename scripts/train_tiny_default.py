@@ -12,13 +12,20 @@ Phases (one learning-rate schedule over all, the update count carrying on): --wa
 questions; then, with --plain-steps, the family mix on plain backgrounds (`PLAIN`); then the family
 mix on the documented ranges up to --steps. --extra-questions k asks up to k further questions about
 the same media in each conversation of the last two phases (`default.write_sft_dataset`).
---sequence replaces those phases by one family at a time with replay (see SEQUENCE_SEED).
+--sequence replaces those phases by one family at a time with replay (see `default.SEQUENCE_SEED`).
 --warm-drills / --drills add that many text-only letter drills (`default.letter_drill`: the
 multiple-choice answer format alone) to the first / the main phase. --patch-init chroma and
---qk-norm-gain g change the random starting weights (`build_initial`). The defaults are the shipped
-recipe (its checkpoint was reproduced byte for byte before the vision attention's block size began
-to follow the frame-size bound, docs/kernels.md; a rerun now differs in float rounding); the other
-options are the measured trials of docs/tasks.md §8.
+--qk-norm-gain g change the random starting weights (`build_initial`).
+
+The shipped default (docs/tasks.md §8) is this command's result, 29.5 minutes on the 2-core CPU:
+
+    nice -n 10 .venv/bin/python scripts/train_tiny_default.py --out runs/seq1 --sequence position:250
+        direction:250 count:200 hidden:200 order:200 color:50 shape:100 all:250 --batch-size 32
+        --learning-rate 2e-3 --warmup-steps 30 --patch-init chroma --qk-norm-gain 2 --mc-fraction 0.5
+        --drills 400 --length-buckets 64 128 192 320 --eval-items 24 [--install]
+
+The defaults are the earlier all-families recipe (a colour warm-up, then the mix: the default shipped
+before it, which learned colour only); the other options are the measured trials of docs/tasks.md §8.
 
 Writes under OUT: `init/` (the random starting checkpoint: config, tokenizer, processor configs),
 `data/` (the training conversations and their media), `run/` (`metrics.jsonl`, `loss.png`, the
@@ -75,9 +82,8 @@ PLAIN_SEED = 2_000_000
 # rows half the new family's items and half a replay of the earlier phases' families (the first phase
 # all new), open questions only; a phase named `all` is the mix of every family, in both forms
 # (--mc-fraction, --drills). A phase of n updates reads n x batch / SEQUENCE_EPOCHS rows, each
-# SEQUENCE_EPOCHS times; phase k's items come from --seed + SEQUENCE_SEED + 1000 k (its replay from
+# SEQUENCE_EPOCHS times; phase k's items come from --seed + default.SEQUENCE_SEED + 1000 k (its replay from
 # + 500). One learning-rate schedule over all phases. Measured trials: docs/tasks.md §8.
-SEQUENCE_SEED = 3_000_000
 SEQUENCE_EPOCHS = 2
 VISION_BUCKETS = (32, 80)
 
@@ -179,6 +185,7 @@ def sequence_items(phases: list[tuple[str, int]], index: int, rows: int, familie
                    seed: int):
     """The items of phase `index` of a --sequence: `rows` of the mix of `families` for `all`; else half
     (all, for the first family) the phase's family and half a replay of the earlier phases' families."""
+    from qwen3vl_jax.default import SEQUENCE_SEED
     from qwen3vl_jax.pruning import synthetic
 
     name, _ = phases[index]
@@ -225,7 +232,7 @@ def main(argv=None) -> int:
     parser.add_argument("--plain-rows", type=int, default=8000, help="second-phase conversations")
     parser.add_argument("--sequence", nargs="+", default=None, metavar="FAMILY:UPDATES",
                         help="train one family at a time instead of the warm / plain / main phases (see "
-                             "SEQUENCE_SEED); `all` names the full mix")
+                             "default.SEQUENCE_SEED); `all` names the full mix")
     parser.add_argument("--extra-questions", type=int, default=0,
                         help="further questions per conversation about the same media (colour, shape; "
                              "default.write_sft_dataset), in the plain and main phases")
@@ -280,7 +287,9 @@ def main(argv=None) -> int:
         parser.error("--qk-norm-gain must be > 0")
     if args.warm_drills < 0 or args.drills < 0:
         parser.error("--warm-drills and --drills must be >= 0")
-    if args.eval_seed in (args.seed, args.seed + 1_000_000, args.seed + PLAIN_SEED) or (
+    from qwen3vl_jax.default import SEQUENCE_SEED, WARM_SEED
+
+    if args.eval_seed in (args.seed, args.seed + WARM_SEED, args.seed + PLAIN_SEED) or (
             sequence and 0 <= args.eval_seed - args.seed - SEQUENCE_SEED < 1000 * len(sequence)):
         parser.error("--eval-seed must differ from the training seeds --seed, --seed + 1000000, "
                      f"--seed + {PLAIN_SEED} and those of --sequence (held-out items)")
@@ -292,7 +301,7 @@ def main(argv=None) -> int:
 
     from qwen3vl_jax import Qwen3VL, Qwen3VLProcessor, count_params
     from qwen3vl_jax.convert import atomic_directory, copy_side_files
-    from qwen3vl_jax.default import DEFAULT_MODEL_DIR, SCORED_FORMS, WARM_SEED, write_sft_dataset
+    from qwen3vl_jax.default import DEFAULT_MODEL_DIR, SCORED_FORMS, write_sft_dataset
     from qwen3vl_jax.training import OptimConfig, SFTDataset, Trainer
     from qwen3vl_jax.training.run import plot_losses, train
 
