@@ -7,16 +7,17 @@ family, and fidelity against the unpruned run.
         [--items 30 --task-seed 2028 | --dataset FILE.jsonl | --synthetic N | --video FILE ... | --builtin-clips]
         [--methods evs vidcom2 random spatial_grid temporal divprune fastv fastv@8 pyramiddrop]
         [--rates 0 0.25 0.5 0.75 0.9]
-        [--score loglik|generate|option] [--fps 2] [--max-frames 768] [--continuation 16] [--timing-repeats 3]
+        [--score option|loglik|generate] [--fps 2] [--max-frames 768] [--continuation 16] [--timing-repeats 3]
         [--bucketed]
 
 With no data argument: `--items` held-out items per video family (direction, order, hidden) of
-`qwen3vl_jax.pruning.synthetic`, drawn from `--task-seed` (the default was trained on seed 0 only),
-written to OUT/tasks/ (dataset.jsonl, open.jsonl, the clips), scored by log-likelihood, with the
-accuracy per family in summary.csv, the plot and a Markdown table (OUT/accuracy.md).
---score: "loglik" (the option letter as the first answer token), "generate" (a few greedy tokens,
-the letter parsed) or "option" (the question without options, each option's text scored as the
-first answer token: the cloze form of the same items; `pruning.ablation`).
+`qwen3vl_jax.pruning.synthetic`, drawn from `--task-seed` (never one the default trained on:
+`default.training_seeds()`), written to OUT/tasks/ (dataset.jsonl, open.jsonl, the clips), scored by
+option, with the accuracy per family in summary.csv, the plot and a Markdown table (OUT/accuracy.md).
+--score: "option" (the question without options, each option's text scored as the first answer
+token: the cloze form of the items; the default for the held-out tasks, which carry their open
+questions), "loglik" (the option letter as the first answer token; the default for --dataset and
+--synthetic) or "generate" (a few greedy tokens, the letter parsed); `pruning.ablation`.
 --dataset: one multiple-choice item per line, {"video": "clip.mp4", "question": "...",
 "options": ["A. ...", "B. ..."], "answer": "B"} ("image" instead of "video" also works; optional
 "fps", "max_frames", "id"; format in docs/pruning.md §10). --synthetic N writes the older set of N
@@ -77,7 +78,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=os.path.join("runs", "ablation"))
     parser.add_argument("--methods", nargs="+", default=["evs", "vidcom2", "random", "spatial_grid", "temporal"])
     parser.add_argument("--rates", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 0.9])
-    parser.add_argument("--score", choices=("loglik", "generate", "option"), default="loglik")
+    parser.add_argument("--score", choices=("option", "loglik", "generate"),
+                        help="default: option on the held-out tasks, loglik on --dataset / --synthetic")
     parser.add_argument("--fps", type=float, default=2.0, help="sampling fps for items that set none")
     parser.add_argument("--max-frames", type=int, default=768, help="frame cap for items that set none")
     parser.add_argument("--continuation", type=int, default=16, help="greedy tokens compared per row")
@@ -89,7 +91,7 @@ def main(argv=None) -> None:
         parser.error("--items must be >= 1")
 
     from qwen3vl_jax import EncoderRunner, Qwen3VL, Qwen3VLProcessor
-    from qwen3vl_jax.default import TRAIN_SEED, WARM_SEED, default_checkpoint
+    from qwen3vl_jax.default import default_checkpoint, training_seeds
     from qwen3vl_jax.pruning import synthetic
     from qwen3vl_jax.pruning.ablation import builtin_videos, run_ablation, summarize
     from qwen3vl_jax.pruning.tasks import load_dataset, synthetic_dataset
@@ -102,18 +104,19 @@ def main(argv=None) -> None:
     elif args.video or args.builtin_clips:
         items = {os.path.basename(v): v for v in args.video} if args.video else builtin_videos()
     else:
-        if args.task_seed in (TRAIN_SEED, WARM_SEED):
+        if args.task_seed in training_seeds():
             parser.error(f"--task-seed {args.task_seed} is a seed the default was trained on; held-out items need "
                          "another")
         tasks = synthetic.make_set(args.items * len(synthetic.VIDEO_FAMILIES), seed=args.task_seed,
                                    families=synthetic.VIDEO_FAMILIES)
         items = load_dataset(synthetic.write_jsonl(tasks, os.path.join(args.out, "tasks")))
         families = {item.id: task.family for item, task in zip(items, tasks)}
+    score = args.score or ("option" if families is not None else "loglik")
     path = args.model or default_checkpoint()
     model = Qwen3VL.from_pretrained(path)
     processor = Qwen3VLProcessor.from_pretrained(path)
     rows = run_ablation(model, processor, items, out_dir=args.out, methods=args.methods, rates=args.rates,
-                        score=args.score, continuation=args.continuation, fps=args.fps,
+                        score=score, continuation=args.continuation, fps=args.fps,
                         max_frames=args.max_frames, timing_repeats=args.timing_repeats,
                         vision_encoder=EncoderRunner(model).encode if args.bucketed else None, families=families)
     summary = summarize(rows, families)

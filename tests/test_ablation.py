@@ -271,10 +271,15 @@ def test_script_synthetic_run_and_bad_dataset(tiny_dir, tmp_path, capsys):
 
 def test_script_default_runs_held_out_task_families(tiny_dir, tmp_path, capsys):
     """No data argument: held-out items of the three video families, accuracy per family in
-    summary.csv, the Markdown table and the plot."""
+    summary.csv, the Markdown table and the plot. Scored by option unless --score says otherwise: the
+    random tiny checkpoint's tokenizer splits the option words, so it is refused naming the item and
+    runs with --score loglik."""
     out = tmp_path / "tasks"
-    _script().main(["--model", str(tiny_dir), "--items", "1", "--out", str(out), "--methods", "temporal",
-                    "--rates", "0", "0.5", "--continuation", "1", "--timing-repeats", "1", "--bucketed"])
+    args = ["--model", str(tiny_dir), "--items", "1", "--out", str(out), "--methods", "temporal",
+            "--rates", "0", "0.5", "--continuation", "1", "--timing-repeats", "1", "--bucketed"]
+    with pytest.raises(ValueError, match=r"item direction0000: option '\w+' is \d+ tokens"):
+        _script().main(args)
+    _script().main([*args, "--score", "loglik"])
     printed = capsys.readouterr().out
     assert "accuracy per family" in printed
     with open(out / "summary.csv") as f:
@@ -285,8 +290,13 @@ def test_script_default_runs_held_out_task_families(tiny_dir, tmp_path, capsys):
     lines = (out / "accuracy.md").read_text().splitlines()
     assert lines[0] == "| method | rate | all | direction | order | hidden |" and len(lines) == 4
     assert (out / "tasks" / "dataset.jsonl").is_file() and (out / "ablation.png").is_file()
-    with pytest.raises(SystemExit):
-        _script().main(["--model", str(tiny_dir), "--task-seed", "0", "--out", str(tmp_path / "seed0")])
+    with open(out / "ablation.jsonl") as f:
+        assert {json.loads(line)["score"] for line in f} == {"loglik"}
+    for seed in (0, 3_000_000, 3_007_500):  # the default's --seed, its first and last --sequence phases
+        with pytest.raises(SystemExit):
+            _script().main(["--model", str(tiny_dir), "--task-seed", str(seed),
+                            "--out", str(tmp_path / "seed0")])
+        assert f"--task-seed {seed} is a seed the default was trained on" in capsys.readouterr().err
 
 
 def test_summaries_per_family_need_every_item_named(tmp_path):
