@@ -107,6 +107,9 @@ class Rule:
     its tensor-parallel layout; by default the tower is replicated (`sharding.py`).
     `layouts`: other transforms the HF tensor may be stored in, tried first when reading (the
     one whose result has the model's shape is taken); `transform` is the one written by default.
+    `read`: False for a parameter no HF checkpoint holds under `hf` (an int8 linear's `[out, in]`
+    weight, quantized here from the full-precision row): never matched when reading an HF name;
+    `hf` still names it (its module) for messages and adapters.
     """
 
     hf: str
@@ -115,6 +118,7 @@ class Rule:
     x: str = r".+"
     spec: tuple[str | None, ...] = REPLICATED
     layouts: tuple[Transform, ...] = ()
+    read: bool = True
 
     @property
     def readers(self) -> tuple[Transform, ...]:
@@ -175,6 +179,16 @@ RULES: tuple[Rule, ...] = (
     Rule("model.language_model.{x}_scale_inv", "language_model.{x}_scale", EXPERTS_RELEASED,
          x=_LAYER + r"mlp\.experts\.(?:gate_up|down)_proj", layouts=(EXPERTS_MODULE,)),
     Rule("lm_head.weight_scale_inv", "lm_head.kernel_scale", LINEAR),
+    # An int8 linear (`quant.OUT_MAJOR`) holds its weight `[out, in]`, HF's orientation, and one
+    # scale per output `[out, 1]`; quantized here from the rows above, so not read from HF names.
+    Rule("model.language_model.{x}.weight", "language_model.{x}.weight", IDENTITY,
+         x=_LAYER + r"(?:self_attn\.[qkv]_proj|mlp\.gate_proj|mlp\.up_proj)", spec=COLUMNS[::-1], read=False),
+    Rule("model.language_model.{x}.weight", "language_model.{x}.weight", IDENTITY,
+         x=_LAYER + r"(?:self_attn\.o_proj|mlp\.down_proj)", spec=ROWS[::-1], read=False),
+    Rule("model.language_model.{x}.weight_scale", "language_model.{x}.weight_scale", IDENTITY,
+         x=_LAYER + r"(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)", read=False),
+    Rule("lm_head.weight", "lm_head.weight", IDENTITY, spec=COLUMNS[::-1], read=False),
+    Rule("lm_head.weight_scale", "lm_head.weight_scale", IDENTITY, read=False),
 )
 
 # The storage dtypes of quantized weights (`quant.py`): FP8 e4m3, int8 (and int4 packed in int8).
@@ -187,7 +201,7 @@ def keeps_dtype(path: str, dtype) -> bool:
     if np.dtype(dtype) in QUANTIZED_DTYPES:
         return True
     try:
-        return rule_for(path)[1].hf.endswith("_scale_inv")
+        return rule_for(path)[1].hf.endswith(("_scale_inv", "_scale"))
     except KeyError:
         return False
 
@@ -201,7 +215,7 @@ def hf_to_ours_name(name: str) -> tuple[str, Transform] | None:
 def hf_rule(name: str) -> tuple[str, Rule] | None:
     """Our path and the rule for an HF tensor name (first match), or None."""
     for rule in RULES:
-        path = rule.match_hf(name)
+        path = rule.match_hf(name) if rule.read else None
         if path is not None:
             return path, rule
     return None
@@ -211,7 +225,7 @@ def rule_for(path: str) -> tuple[str, Rule]:
     for rule in RULES:
         name = rule.match_ours(path)
         # Only a name that converts forward to the same path is a true inverse (first match wins).
-        if name is not None and hf_to_ours_name(name) == (path, rule.transform):
+        if name is not None and (not rule.read or hf_to_ours_name(name) == (path, rule.transform)):
             return name, rule
     raise KeyError(f"no conversion rule produces the parameter {path!r}")
 

@@ -4,18 +4,25 @@ A quantized linear keeps two parameters side by side, rows of the parameter tabl
 (`params.RULES`): `kernel`, the weight `[in, out]` in its storage dtype, and `kernel_scale`, a
 float grid `[ceil(in / bi), ceil(out / bo)]` (one scale per block of `bi x bo` weights; the last
 block of an axis may be partial). The dequantized weight is `kernel[i, o] * kernel_scale[i // bi,
-o // bo]`: HF's `weight_scale_inv` transposed like the weight ("multiply to dequantize").
+o // bo]`: HF's `weight_scale_inv` transposed like the weight ("multiply to dequantize"). An int8
+linear is stored the other way round, in HF's own orientation (`OUT_MAJOR`): `weight [out, in]`
+and `weight_scale [out, 1]`, so that decoding reads each output's weights as one contiguous row.
 
-| method | `kernel` | block `(bi, bo)` | from |
+| method | weight | block `(bi, bo)` | from |
 |---|---|---|---|
-| `fp8`  | `float8_e4m3fn [in, out]` | `(128, 128)` (the checkpoint's `weight_block_size`, swapped) | HF FP8 checkpoints, or quantized here |
-| `int8` | `int8 [in, out]` | `(0, 1)` (0: the whole axis): one scale per output channel | quantized here |
-| `int4` | `int8 [ceil(in/2), out]`, two signed nibbles per byte (row 2p low, 2p + 1 high) | `(group, 1)`, group 128 | quantized here |
+| `fp8`  | `kernel`: `float8_e4m3fn [in, out]` | `(128, 128)` (the checkpoint's `weight_block_size`, swapped) | HF FP8 checkpoints, or quantized here |
+| `int8` | linears `weight`: `int8 [out, in]`; experts `int8 [E, in, out]` | `(0, 1)` (0: the whole axis): one scale per output channel | quantized here |
+| `int4` | `kernel`: `int8 [ceil(in/2), out]`, two signed nibbles per byte (row 2p low, 2p + 1 high) | `(group, 1)`, group 128 | quantized here |
 
 The product never upcasts a whole weight: on a CPU XLA does not fuse a conversion into a
 matrix-vector product (a bf16 / int8 / fp8 weight upcast whole runs ~11x slower than f32), so
 `qdot` loops over tiles of `TILE` input rows x `TILE_COLS` output columns, each decoded and
-multiplied, its partial product scaled, accumulating in float32. FP8 bytes are decoded by integer arithmetic (bit-exact with `astype`: XLA's CPU conversion
+multiplied, its partial product scaled, accumulating in float32. A matrix-vector product (decode:
+up to `FUSED_ROWS` rows) with an out-major int8 weight is instead one fused reduction along its
+contiguous rows, `sum(weight * x, axis=-1) * scale`: XLA's CPU backend fuses the conversion into a
+reduction along the contiguous axis (and nowhere else), which reads a quarter of f32's bytes and
+runs faster than the f32 product (README, "Quantized weights"). FP8 bytes are decoded by integer
+arithmetic (bit-exact with `astype`: XLA's CPU conversion
 from `float8_e4m3fn` is scalar and as slow as a whole-weight upcast).
 
 `QTensor` is a quantized weight as a pytree (`kernel`, `scale` and the static method / block), so a
@@ -40,7 +47,8 @@ from jax import lax
 
 from .params import LazyTensor
 
-__all__ = ["METHODS", "FP8_MAX", "INT4_GROUP", "TILE", "QuantSpec", "QTensor", "QuantLinear", "make_linear",
+__all__ = ["METHODS", "FP8_MAX", "INT4_GROUP", "TILE", "FUSED_ROWS", "OUT_MAJOR", "QuantSpec", "QTensor",
+           "QuantLinear", "make_linear",
            "quantize", "dequantize", "qdot", "decode_fp8", "pack_int4", "unpack_int4", "module_kind",
            "TEXT_KINDS", "EXPERTS_KIND", "default_modules", "storage_shape", "scale_shape", "storage_dtype", "quantize_params",
            "quantized_path"]
@@ -93,6 +101,8 @@ class QuantSpec:
             raise ValueError(f"quantization method must be one of {METHODS}, got {self.method!r}")
         if len(self.block) != 2 or any(not isinstance(b, int) or b < 0 for b in self.block):
             raise ValueError(f"quantization block must be two non-negative ints, got {self.block!r}")
+        if self.method == "int8" and tuple(self.block) != (0, 1):
+            raise ValueError(f"int8 is per output channel: block (0, 1), got {self.block!r}")
         if self.method == "int4" and (self.block[0] <= 0 or self.block[0] % 2):
             raise ValueError(f"int4 groups must hold an even number of rows, got {self.block[0]}")
         if self.scale_dtype not in ("float32", "bfloat16"):
@@ -125,6 +135,7 @@ def storage_dtype(method: str) -> np.dtype:
 
 
 def storage_shape(method: str, in_features: int, out_features: int) -> tuple[int, int]:
+    """The stored weight's shape in our `[in, out]` orientation (a linear `OUT_MAJOR` stores it swapped)."""
     return (-(-in_features // 2) if method == "int4" else in_features, out_features)
 
 
@@ -218,6 +229,19 @@ def _decode(tile, method: str):
 TILE_COLS = 2048
 """Output columns per tile (a chunk of the scale blocks' columns where they are narrower)."""
 
+OUT_MAJOR = ("int8",)
+"""The methods whose linears store the weight `[out, in]` (`QuantLinear`): int8, one scale per output
+channel, whose decode product is then one fused reduction (`FUSED_ROWS`). Not int4 or fp8: their
+group / block scales make it a two-stage reduction, which XLA's CPU backend does not fuse (measured:
+int4 3.7-15 ms against f32's 1.9-3.8 for one 2048 x 6144 product; docs/design.md)."""
+
+FUSED_ROWS = 64
+"""Up to this many rows of `x`, an out-major int8 product is one fused reduction; more (prefill)
+take the tiles. One 2048 x 6144 product, 24 distinct weights in turn (past the cache), x of 1 / 2 /
+8 / 64 / 128 / 256 rows (quiet 2-core CPU, jax 0.10.2, medians of 5): f32 2.32 / 3.84 / 6.15 / 8.60
+/ 12.8 / 23.7 ms; the fused reduction 1.50 / 1.47 / 1.83 / 6.13 / 21.6 / 32.2; out-major tiles 6.24
+/ 5.37 / 6.17 / 10.1 / 17.7 / 29.1; in-major tiles 5.91 / 4.15 / 5.19 / 9.39 / 16.0 / 31.4."""
+
 
 def _chunk_cols(cols: int, block_cols: int) -> int:
     """Output columns per chunk: `TILE_COLS` rounded down to whole scale blocks (all when fewer)."""
@@ -241,24 +265,33 @@ def _tile_rows(block_rows: int, rows: int) -> int:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QTensor:
-    """A quantized weight `[..., in, out]`: `kernel` (storage), `scale` (grid); `method`, `block` and
-    `rows` (= in) static. Indexing the leading axes (`experts[e]`) indexes both arrays."""
+    """A quantized weight `[..., in, out]`: `kernel` (storage), `scale` (grid); `method`, `block`
+    (`(bi, bo)`, in the `[in, out]` orientation) and `rows` (= in) static. `out_major`: `kernel` and
+    `scale` hold their last two axes swapped (`[out, in]`: an int8 linear, `OUT_MAJOR`). Indexing
+    the leading axes (`experts[e]`) indexes both arrays."""
 
     kernel: jax.Array
     scale: jax.Array
     method: str = dataclasses.field(metadata=dict(static=True))
     block: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
     rows: int = dataclasses.field(metadata=dict(static=True))
+    out_major: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.kernel.shape[:-2]) + (self.rows, self.kernel.shape[-1])
+        return tuple(self.kernel.shape[:-2]) + (self.rows, self.kernel.shape[-2 if self.out_major else -1])
 
     def __getitem__(self, index) -> "QTensor":
-        return QTensor(self.kernel[index], self.scale[index], self.method, self.block, self.rows)
+        return QTensor(self.kernel[index], self.scale[index], self.method, self.block, self.rows,
+                       self.out_major)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """The whole weight in `dtype` (the spec path, e.g. for `lax.ragged_dot`; slow on a CPU)."""
+        """The whole weight `[..., in, out]` in `dtype` (the spec path, e.g. for `lax.ragged_dot`;
+        slow on a CPU)."""
+        if self.out_major:
+            swapped = QTensor(jnp.swapaxes(self.kernel, -1, -2), jnp.swapaxes(self.scale, -1, -2),
+                              self.method, self.block, self.rows)
+            return swapped.dequantize(dtype)
         if self.method == "int4":
             values = unpack_int4(self.kernel, self.rows).astype(jnp.float32)
         elif self.method == "fp8":
@@ -276,19 +309,25 @@ def qdot(x, weight, *, dtype=None) -> jax.Array:
     """`x [..., in] @ weight [in, out]` -> `[..., out]` in `dtype` (default `x`'s): a plain array, or
     a `QTensor` dequantized tile by tile (float32 accumulation; see the module docstring).
 
-    Tiles of `TILE_ROWS x TILE_COLS` stored weights: a loop over column chunks (`lax.map`), in each
-    a loop over row tiles (`fori_loop`) accumulating the chunk's `[R, C]` partial products; each
-    tile lies inside one block row, so its scales multiply the partial product, not every weight;
-    the decoded tile (at most 2 MiB of float32) stays in the cache for its product."""
+    An out-major int8 weight times up to `FUSED_ROWS` rows: one fused reduction (`_row_reduction`).
+    Otherwise tiles of `TILE_ROWS x TILE_COLS` stored weights (`TILE_COLS x TILE_ROWS` out-major): a
+    loop over column chunks (`lax.map`), in each a loop over row tiles (`fori_loop`) accumulating
+    the chunk's `[R, C]` partial products; each tile lies inside one block row, so its scales
+    multiply the partial product, not every weight; the decoded tile (at most 2 MiB of float32)
+    stays in the cache for its product."""
     dtype = dtype or x.dtype
     if not isinstance(weight, QTensor):
         return jnp.dot(x.astype(dtype), weight.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
-    rows, out = weight.rows, weight.kernel.shape[-1]
+    rows, out = weight.shape[-2:]
     bi, bo = weight.block
     bi, bo = bi or rows, bo or out
     lead = x.shape[:-1]
     x2 = x.reshape(-1, rows).astype(dtype)
     bits, scale = _bits(weight), weight.scale.astype(jnp.float32)
+    if weight.out_major and weight.method == "int4":
+        raise ValueError("int4 weights are stored [in, out] only (OUT_MAJOR)")
+    if weight.out_major and weight.method == "int8" and bi == rows and x2.shape[0] <= FUSED_ROWS:
+        return _row_reduction(x2, bits, scale[..., 0]).astype(dtype).reshape(lead + (out,))
     if weight.method == "fp8":
         scale = scale * 256.0  # `_decode` gives FP8 values / 2^8 (exact: a power of two)
     packed = 2 if weight.method == "int4" else 1
@@ -302,8 +341,12 @@ def qdot(x, weight, *, dtype=None) -> jax.Array:
     def part(start, size, first, width):
         """The partial product of input rows `[start, start + size)` (inside one block row; `size`
         static, even for int4) and output columns `[first, first + width)` (`width` static)."""
-        q = lax.dynamic_slice(bits, (start // packed, first), (size // packed, width))
-        s = lax.dynamic_slice(scale, (start // bi, first // bo), (1, -(-width // bo)))
+        if weight.out_major:  # the tile `[width, size]`, its block column's scales
+            q = lax.dynamic_slice(bits, (first, start), (width, size))
+            s = lax.dynamic_slice(scale, (first // bo, start // bi), (-(-width // bo), 1)).T
+        else:
+            q = lax.dynamic_slice(bits, (start // packed, first), (size // packed, width))
+            s = lax.dynamic_slice(scale, (start // bi, first // bo), (1, -(-width // bo)))
         s = jnp.repeat(s, bo, axis=1)[:, :width]  # [1, width]
         xs = lax.dynamic_slice_in_dim(x2, start, size, axis=1)
         if packed == 2:  # two products: the even input rows (low nibbles), the odd ones (high nibbles)
@@ -312,7 +355,9 @@ def qdot(x, weight, *, dtype=None) -> jax.Array:
             y = (jnp.dot(xs[:, 0::2], low, preferred_element_type=jnp.float32)
                  + jnp.dot(xs[:, 1::2], high, preferred_element_type=jnp.float32))
         else:
-            y = jnp.dot(xs, _decode(q, weight.method).astype(dtype), preferred_element_type=jnp.float32)
+            contract = 1 if weight.out_major else 0  # the tile's input axis
+            y = lax.dot_general(xs, _decode(q, weight.method).astype(dtype), (((1,), (contract,)), ((), ())),
+                                preferred_element_type=jnp.float32)
         return y * s
 
     def columns(first, width):
@@ -338,32 +383,62 @@ def qdot(x, weight, *, dtype=None) -> jax.Array:
     return y.astype(dtype).reshape(lead + (out,))
 
 
+def _row_reduction(x2, kernel, scale) -> jax.Array:
+    """`x2 [R, in]` times an out-major int8 weight `kernel [out, in]` with one `scale [out]` per
+    output: one fused multiply-and-reduce along the contiguous input axis, in float32.
+
+    The weight passes an optimization barrier together with `x`: inside a decode loop the weight is
+    loop-invariant, and XLA would otherwise hoist its conversion out of the loop, materializing the
+    whole float32 weight once per call and reading four bytes per weight at every step (measured:
+    the 2B-width decode at 0.8x f32 instead of faster)."""
+    kernel, x2 = lax.optimization_barrier((kernel, x2))
+    w = kernel.astype(jnp.float32)
+    x = x2.astype(jnp.float32)
+    if x.shape[0] == 1:  # squeezed: a leading axis of 1 takes a slow loop in XLA's CPU reduction
+        y = jnp.sum(w * x[0], axis=-1)[None]
+    else:
+        y = jnp.sum(w[None] * x[:, None, :], axis=-1)
+    return y * scale
+
+
 # ---------------------------------------------------------------------- the module
 
 
 class QuantLinear(nnx.Module):
-    """`nnx.Linear` with a quantized kernel: `kernel` (storage dtype, `storage_shape`), `kernel_scale`
-    (`scale_shape`, in the spec's scale dtype), optional `bias`. Frozen weights: the product passes
-    gradients to `x` (and the bias), through the dequantized tiles."""
+    """`nnx.Linear` with a quantized kernel: `kernel` (storage dtype, `storage_shape`) and
+    `kernel_scale` (`scale_shape`, in the spec's scale dtype), or for an `OUT_MAJOR` method `weight`
+    and `weight_scale`, the same swapped (`[out, in]`, `[out, 1]`); optional `bias`. Frozen weights:
+    the product passes gradients to `x` (and the bias), through the dequantized tiles."""
 
     def __init__(self, in_features: int, out_features: int, *, spec: QuantSpec, use_bias: bool = False,
                  dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         self.in_features, self.out_features = in_features, out_features
         self.method, self.block = spec.method, spec.block_for(in_features)
+        self.out_major = spec.method in OUT_MAJOR
         self.param_dtype = param_dtype
         self.dtype = dtype
-        self.kernel = nnx.Param(jnp.zeros(storage_shape(spec.method, in_features, out_features),
-                                          storage_dtype(spec.method)))
-        self.kernel_scale = nnx.Param(jnp.ones(scale_shape(self.block, in_features, out_features),
-                                               spec.np_scale_dtype))
+        shape = storage_shape(spec.method, in_features, out_features)
+        grid = scale_shape(self.block, in_features, out_features)
+        stored = nnx.Param(jnp.zeros(shape[::-1] if self.out_major else shape, storage_dtype(spec.method)))
+        scale = nnx.Param(jnp.ones(grid[::-1] if self.out_major else grid, spec.np_scale_dtype))
+        if self.out_major:
+            self.weight, self.weight_scale = stored, scale
+        else:
+            self.kernel, self.kernel_scale = stored, scale
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
 
-    def weight(self) -> QTensor:
-        return QTensor(self.kernel[...], self.kernel_scale[...], self.method, self.block, self.in_features)
+    @property
+    def stored(self) -> tuple[nnx.Param, nnx.Param]:
+        """The parameters that hold the quantized weight and its scales (`weight` or `kernel`)."""
+        return (self.weight, self.weight_scale) if self.out_major else (self.kernel, self.kernel_scale)
+
+    def quantized(self) -> QTensor:
+        stored, scale = self.stored
+        return QTensor(stored[...], scale[...], self.method, self.block, self.in_features, self.out_major)
 
     def __call__(self, x):
         dtype = self.dtype or x.dtype
-        y = qdot(x, self.weight(), dtype=dtype)
+        y = qdot(x, self.quantized(), dtype=dtype)
         return y if self.bias is None else y + self.bias[...].astype(dtype)
 
 
@@ -380,7 +455,7 @@ def make_linear(in_features: int, out_features: int, *, path: str, quant: QuantS
 
 
 def quantized_path(path: str, spec: QuantSpec) -> str | None:
-    """The module (kind) a weight parameter belongs to when `spec` quantizes it, else None:
+    """The module a full-precision weight parameter belongs to when `spec` quantizes it, else None:
     `...q_proj.kernel` -> `...q_proj`; `...mlp.experts.gate_up_proj` -> `...mlp.experts`."""
     if path.endswith(".kernel"):
         module = path[: -len(".kernel")]
@@ -393,11 +468,14 @@ def quantized_path(path: str, spec: QuantSpec) -> str | None:
 
 def quantize_params(params: dict[str, object], spec: QuantSpec) -> dict[str, object]:
     """`{our path: LazyTensor or array}` of a full-precision checkpoint -> the same with every weight
-    `spec` covers replaced by its quantized `kernel` and `..._scale` (`quantize`), each computed
-    when loaded (the float tensor is read once for both, one tensor at a time)."""
+    `spec` covers replaced by its quantized weight and scales (`quantize`), each computed when
+    loaded (the float tensor is read once for both, one tensor at a time): `...kernel` ->
+    `...kernel` and `...kernel_scale`, or for an `OUT_MAJOR` linear `...weight` and `...weight_scale`
+    (both swapped to `[out, in]`); experts' `...gate_up_proj` -> `...gate_up_proj` and `..._scale`."""
     out = {}
     for path, value in params.items():
-        if quantized_path(path, spec) is None:
+        module = quantized_path(path, spec)
+        if module is None:
             out[path] = value
             continue
         lazy = value if isinstance(value, LazyTensor) else LazyTensor(
@@ -406,18 +484,22 @@ def quantize_params(params: dict[str, object], spec: QuantSpec) -> dict[str, obj
         block = spec.block_for(rows)
         once = functools.lru_cache(maxsize=1)(lambda t=lazy, b=block: quantize(t.load(), spec.method, b))
         lead = tuple(lazy.shape[:-2])
-        kernel_shape = lead + storage_shape(spec.method, rows, cols)
-        grid = lead + scale_shape(block, rows, cols)
+        out_major = spec.method in OUT_MAJOR and path.endswith(".kernel")
+        kernel_shape, grid = storage_shape(spec.method, rows, cols), scale_shape(block, rows, cols)
+        if out_major:
+            kernel_shape, grid = kernel_shape[::-1], grid[::-1]
+        orient = (lambda a: np.ascontiguousarray(np.swapaxes(a, -1, -2))) if out_major else (lambda a: a)
 
-        def take_kernel(once=once):
-            return once()[0]
+        def take_kernel(once=once, orient=orient):
+            return orient(once()[0])
 
-        def take_scale(once=once):  # (read after the kernel: the cached pair is then released)
-            scale = once()[1].astype(spec.np_scale_dtype)
+        def take_scale(once=once, orient=orient):  # (read after the kernel: the cached pair is then released)
+            scale = orient(once()[1].astype(spec.np_scale_dtype))
             once.cache_clear()
             return scale
 
-        # `...kernel` -> `...kernel_scale`; experts' `...gate_up_proj` -> `...gate_up_proj_scale`
-        out[path] = LazyTensor(kernel_shape, storage_dtype(spec.method), take_kernel, lazy.source)
-        out[path + "_scale"] = LazyTensor(grid, spec.np_scale_dtype, take_scale, lazy.source + " (scales)")
+        name = module + ".weight" if out_major else path
+        out[name] = LazyTensor(lead + kernel_shape, storage_dtype(spec.method), take_kernel, lazy.source)
+        out[name + "_scale"] = LazyTensor(lead + grid, spec.np_scale_dtype, take_scale,
+                                          lazy.source + " (scales)")
     return out

@@ -17,7 +17,7 @@ from qwen3vl_jax import Qwen3VL
 from qwen3vl_jax.cli import main as cli
 from qwen3vl_jax.config import ConfigError
 from qwen3vl_jax.convert import CheckpointError
-from qwen3vl_jax.quant import QTensor, QuantLinear, QuantSpec, dequantize, qdot, quantize
+from qwen3vl_jax.quant import FUSED_ROWS, QTensor, QuantLinear, QuantSpec, dequantize, qdot, quantize
 from qwen3vl_jax.testing import make_fp8_checkpoint, make_tiny_checkpoint
 
 # Blocks of 32 divide every tiny width (64, 128, 160): HF's CPU dequantizer accepts them. Blocks of
@@ -170,6 +170,26 @@ def test_tiled_product_equals_the_dequantized_weight(method, block, rows, cols):
     np.testing.assert_allclose(y, ref, atol=2e-5 * np.abs(ref).max(), rtol=0)
 
 
+@pytest.mark.parametrize("rows,cols", [(1500, 40), (300, 5000)])
+def test_out_major_int8_product_equals_the_dequantized_weight(rows, cols):
+    """An int8 linear's weight stored `[out, in]` (`OUT_MAJOR`): 1 and `FUSED_ROWS` rows of x take the
+    fused row reduction, more rows the tiles (several column chunks for 5000 outputs); all equal the
+    product with the dequantized weight."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    kernel, scale = quantize(w, "int8", (0, 1))
+    deq = dequantize(kernel, scale, "int8", (0, 1))
+    weight = QTensor(jnp.asarray(kernel.T.copy()), jnp.asarray(scale.T.copy()), "int8", (rows, 1), rows,
+                     out_major=True)
+    assert weight.shape == (rows, cols)
+    np.testing.assert_array_equal(np.asarray(weight.dequantize()), deq)
+    for m in (1, FUSED_ROWS, FUSED_ROWS + 1):
+        x = rng.standard_normal((m, rows)).astype(np.float32)
+        y = np.asarray(jax.jit(qdot)(jnp.asarray(x), weight))
+        ref = x.astype(np.float64) @ deq.astype(np.float64)
+        np.testing.assert_allclose(y, ref, atol=2e-6 * np.abs(ref).max(), rtol=0)
+
+
 # Weight-only quantization of the tiny random checkpoint (language-model linears; int4 in groups of
 # 32, fp8 in 32 x 32 blocks): the largest logit error against the unquantized model as a share of
 # the largest logit, and the share of 16 prompts whose greedy next token is unchanged. Measured:
@@ -184,8 +204,13 @@ def test_weight_only_quantization_error(tiny_dir, jax_model, method):
     ref = np.asarray(jax_model(ids))
     spec = QuantSpec.make(method, group=32, block=(32, 32))
     model = Qwen3VL.from_pretrained(tiny_dir, quantize=spec)
-    assert isinstance(model.language_model.layers[0].self_attn.q_proj, QuantLinear)
+    q_proj = model.language_model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, QuantLinear)
     assert not isinstance(model.lm_head, QuantLinear)  # HF's default: lm_head in full precision
+    if method == "int8":  # stored [out, in] (OUT_MAJOR), one scale per output
+        assert q_proj.weight.shape == (q_proj.out_features, q_proj.in_features)
+        assert q_proj.weight.dtype == jnp.int8
+        assert q_proj.weight_scale.shape == (q_proj.out_features, 1)
     out = np.asarray(model(ids))
     error = np.abs(out - ref).max() / np.abs(ref).max()
     same = np.mean(out[:, -1].argmax(-1) == ref[:, -1].argmax(-1))
@@ -203,7 +228,7 @@ def test_quantized_experts_equal_the_model_on_dequantized_weights(tmp_path_facto
     from flax import nnx
 
     from qwen3vl_jax.params import canonical_params
-    from qwen3vl_jax.quant import quantized_path
+    from qwen3vl_jax.quant import OUT_MAJOR, quantized_path
 
     root = tmp_path_factory.mktemp("moe_quant")
     d = make_tiny_checkpoint(root / "moe", seed=7, text=dict(num_experts=6, num_experts_per_tok=2,
@@ -222,7 +247,11 @@ def test_quantized_experts_equal_the_model_on_dequantized_weights(tmp_path_facto
             values[path] = np.asarray(value)
             continue
         rows = value.shape[-2]
-        values[path] = dequantize(q[path], q[path + "_scale"], method, spec.block_for(rows), rows)
+        if path.endswith(".kernel") and method in OUT_MAJOR:  # an int8 linear: `weight [out, in]`
+            kernel, scale = q[module + ".weight"].T, q[module + ".weight_scale"].T
+        else:
+            kernel, scale = q[path], q[path + "_scale"]
+        values[path] = dequantize(kernel, scale, method, spec.block_for(rows), rows)
     assert any(".experts." in p for p in values if quantized_path(p, spec))
     from qwen3vl_jax.params import fill_state
 
@@ -261,8 +290,8 @@ def test_plan_counts_quantized_bytes(fp8_dirs, tiny_dir):
 
 
 def test_convert_quantize(tiny_dir, tmp_path):
-    """`convert --quantize`: int4 to Orbax (the spec recorded beside the config) and fp8 to HF's FP8
-    format both load into the same model `from_pretrained(quantize=...)` builds; int4 to HF is refused."""
+    """`convert --quantize`: int4 and int8 to Orbax (the spec recorded beside the config) and fp8 to
+    HF's FP8 format load into the same model `from_pretrained(quantize=...)` builds; int4 to HF is refused."""
     ids = np.random.default_rng(3).integers(0, 400, size=(1, 8))
     cli(["convert", str(tiny_dir), str(tmp_path / "int4"), "--quantize", "int4", "--group-size", "32",
          "--dtype", "float32"])
@@ -270,6 +299,11 @@ def test_convert_quantize(tiny_dir, tmp_path):
     direct = Qwen3VL.from_pretrained(tiny_dir, quantize=QuantSpec.make("int4", group=32))
     assert restored.language_model.layers[1].mlp.up_proj.kernel.dtype == jnp.int8
     np.testing.assert_array_equal(np.asarray(restored(ids)), np.asarray(direct(ids)))
+    cli(["convert", str(tiny_dir), str(tmp_path / "int8"), "--quantize", "int8", "--dtype", "float32"])
+    restored = Qwen3VL.from_pretrained(tmp_path / "int8")  # the `[out, in]` int8 rows through Orbax
+    assert restored.language_model.layers[1].mlp.down_proj.weight.dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(restored(ids)), np.asarray(Qwen3VL.from_pretrained(
+        tiny_dir, quantize="int8")(ids)))
     cli(["convert", str(tiny_dir), str(tmp_path / "fp8"), "--quantize", "fp8", "--to", "hf", "--dtype", "float32"])
     assert "quantization_config" in json.load(open(tmp_path / "fp8" / "config.json"))
     np.testing.assert_array_equal(np.asarray(Qwen3VL.from_pretrained(tmp_path / "fp8")(ids)),

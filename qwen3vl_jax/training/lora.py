@@ -147,7 +147,7 @@ class QuantLoRALinear(_LoRA, QuantLinear):
 
     def __init__(self, base: QuantLinear, rank: int, scale: float, dropout: float, *, rngs: nnx.Rngs):
         self._share(base)
-        stack = base.kernel.shape[:-2]
+        stack = base.stored[0].shape[:-2]
         self._add_factors(stack, base.in_features, base.out_features, jnp.float32, rank, scale, dropout, rngs)
 
     def __call__(self, inputs):
@@ -372,14 +372,16 @@ def _check_adapter(directory: str, peft: dict, per_block: dict[str, np.ndarray],
             problems.append(f"{block}: lora_A has rank {a.shape[1]} and lora_B rank {b.shape[0]}, "
                             f"adapter_config r is {rank}")
         kernel = base.get(f"{block}.kernel")
+        if kernel is None and f"{block}.weight" in base:  # an int8 layer's `[out, in]` weight
+            kernel = (base[f"{block}.weight"][0][::-1],)
         if kernel is not None and (a.shape[0], b.shape[1]) != tuple(kernel[0]):
             problems.append(f"{block}: the adapter maps {a.shape[0]} -> {b.shape[1]} features, the base "
                             f"layer {kernel[0][0]} -> {kernel[0][1]} (an adapter for another model?)")
     targets = peft.get("target_modules")
     if isinstance(targets, (list, tuple)):
-        modules = {k.rsplit(".", 1)[0] for k in per_block}
-        missing = [t for t in targets if not any(_matches(ours_to_hf_name(m + ".kernel")[0].removesuffix(".weight"),
-                                                              t) for m in modules if f"{m}.kernel" in base)]
+        layers = {k.rsplit(".", 1)[0] for k in per_block}
+        modules = [m for m in layers if f"{m}.kernel" in base or f"{m}.weight" in base]
+        missing = [t for t in targets if not any(_matches(_hf_module(m), t) for m in modules)]
         problems += [f"target_modules lists {t!r}, but no adapter tensor is for it" for t in missing]
     if problems:
         raise CheckpointError(f"{directory}: the adapter does not fit this model: {len(problems)} problem(s):\n  "
