@@ -170,6 +170,15 @@ def test_tiled_product_equals_the_dequantized_weight(method, block, rows, cols):
     np.testing.assert_allclose(y, ref, atol=2e-5 * np.abs(ref).max(), rtol=0)
 
 
+def test_quant_spec_refuses_bad_fields():
+    for args, message in ((("int2", (0, 1), frozenset()), "quantization method must be one of"),
+                          (("int8", (32, 1), frozenset()), r"int8 is per output channel: block \(0, 1\)"),
+                          (("int4", (7, 1), frozenset()), "int4 groups must hold an even number of rows"),
+                          (("fp8", (128, -1), frozenset()), "quantization block must be two non-negative ints")):
+        with pytest.raises(ValueError, match=message):
+            QuantSpec(*args)
+
+
 @pytest.mark.parametrize("rows,cols", [(1500, 40), (300, 5000)])
 def test_out_major_int8_product_equals_the_dequantized_weight(rows, cols):
     """An int8 linear's weight stored `[out, in]` (`OUT_MAJOR`): 1 and `FUSED_ROWS` rows of x take the
