@@ -433,3 +433,31 @@ def test_finetune_quantize_needs_lora_and_refuses_a_merged_export(tiny_dir, tmp_
     with pytest.raises(ArgumentError, match="--quantize must be int8, int4 or fp8"):
         finetune(**common, quantize="nf4", lora_rank=4)
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_adapter_loads_on_a_quantized_base(tiny_dir, tmp_path):
+    """A PEFT adapter made on the full-precision model loads on an int8 (`[out, in]`) and an int4
+    (packed) base: checked against each layer's (in, out), not its stored shape; the adapter's
+    effect on the logits is the full-precision one up to the quantization error (the largest
+    difference as a share of the largest effect)."""
+    from flax import nnx
+
+    from qwen3vl_jax.training.lora import LoRAConfig, LoRAWeight, add_lora, save_adapter
+
+    ids = np.random.default_rng(4).integers(0, 400, size=(2, 8))
+    full = Qwen3VL.from_pretrained(tiny_dir)
+    base = np.asarray(full(ids))
+    add_lora(full, LoRAConfig(rank=4, target_modules=("q_proj", "down_proj")))
+    state = nnx.state(full, LoRAWeight)
+    rng = np.random.default_rng(5)
+    nnx.update(full, jax.tree.map(lambda v: jnp.asarray(rng.standard_normal(v.shape) * 0.2, v.dtype), state))
+    delta = np.asarray(full(ids)) - base
+    save_adapter(full, tmp_path / "adapter")
+    for method in ("int8", "int4"):
+        plain = np.asarray(Qwen3VL.from_pretrained(tiny_dir, quantize=method)(ids))
+        model = Qwen3VL.from_pretrained(tiny_dir, quantize=method, adapter=tmp_path / "adapter")
+        adapted = np.asarray(model(ids))
+        error = np.abs((adapted - plain) - delta).max() / np.abs(delta).max()
+        # measured: int8 0.032, int4 0.39 (int4's own logit error on these random weights is 0.33-0.64;
+        # an adapter not applied would be 1.0)
+        assert np.abs(delta).max() > 0.1 and error < {"int8": 0.06, "int4": 0.6}[method], (method, error)

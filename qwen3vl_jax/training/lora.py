@@ -45,7 +45,7 @@ from ..convert import save_hf, save_orbax
 from ..model import register_adapter_loader
 from ..quant import QuantLinear
 from ..params import (STACKS, CheckpointError, canonical_params, fill_state, hf_to_ours_name, nest_paths,
-                      ours_to_hf_name, param_shapes)
+                      ours_to_hf_name)
 
 __all__ = ["LoRAConfig", "LoRALinear", "QuantLoRALinear", "LoRAWeight", "LoRAKey", "LANGUAGE_TARGETS",
            "VISION_TARGETS",
@@ -331,16 +331,20 @@ def load_adapter(model, directory: str | os.PathLike) -> list[str]:
             raise ValueError(f"{directory}: adapter tensor {key} names no linear layer of the model")
         ours = found[0].removesuffix(".kernel")
         per_block[f"{ours}.{'lora_a' if factor == 'lora_A' else 'lora_b'}"] = value.T
-    rank = _check_adapter(directory, peft, per_block, param_shapes(model))
+    linears = _linear_modules(model)
+    blocks = sorted({k.rsplit(".", 1)[0] for k in per_block})
+    # per-block names -> our module paths (one per stack when stacked)
+    paths = {block: block if block in linears else _stacked_name(block) for block in blocks}
+    features = {block: (linears[path][2].in_features, linears[path][2].out_features)
+                for block, path in paths.items() if path in linears}
+    rank = _check_adapter(directory, peft, per_block, features)
     config = LoRAConfig(rank=rank, alpha=float(peft.get("lora_alpha", rank)),
                         dropout=float(peft.get("lora_dropout", 0.0)),
                         target_modules=tuple(sorted({k.rsplit(".", 1)[0] for k in per_block})),
                         use_rslora=bool(peft.get("use_rslora", False)))
-    linears = _linear_modules(model)
-    blocks = sorted({k.rsplit(".", 1)[0] for k in per_block})
     modules = []
-    for block in blocks:  # per-block names -> our module paths (one per stack when stacked)
-        path = block if block in linears else _stacked_name(block)
+    for block in blocks:
+        path = paths[block]
         if path not in linears:
             raise ValueError(f"{directory}: no linear layer {block} in the model")
         if path not in modules:
@@ -352,10 +356,11 @@ def load_adapter(model, directory: str | os.PathLike) -> list[str]:
 
 
 def _check_adapter(directory: str, peft: dict, per_block: dict[str, np.ndarray],
-                   base: dict[str, tuple[tuple[int, ...], np.dtype]]) -> int:
+                   features: dict[str, tuple[int, int]]) -> int:
     """The adapter checked whole before any weight is touched: its rank against the config, each
-    A against its B, their shapes against the base model's layers, every listed target present.
-    Every problem is listed in one `CheckpointError`; returns the rank."""
+    A against its B, their shapes against the base model's layers (`features`: each layer's (in,
+    out), whatever its stored layout, quantized or not), every listed target present. Every problem
+    is listed in one `CheckpointError`; returns the rank."""
     problems = []
     rank = peft.get("r")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -371,16 +376,13 @@ def _check_adapter(directory: str, peft: dict, per_block: dict[str, np.ndarray],
         if a.shape[1] != rank or b.shape[0] != rank:
             problems.append(f"{block}: lora_A has rank {a.shape[1]} and lora_B rank {b.shape[0]}, "
                             f"adapter_config r is {rank}")
-        kernel = base.get(f"{block}.kernel")
-        if kernel is None and f"{block}.weight" in base:  # an int8 layer's `[out, in]` weight
-            kernel = (base[f"{block}.weight"][0][::-1],)
-        if kernel is not None and (a.shape[0], b.shape[1]) != tuple(kernel[0]):
+        layer = features.get(block)
+        if layer is not None and (a.shape[0], b.shape[1]) != layer:
             problems.append(f"{block}: the adapter maps {a.shape[0]} -> {b.shape[1]} features, the base "
-                            f"layer {kernel[0][0]} -> {kernel[0][1]} (an adapter for another model?)")
+                            f"layer {layer[0]} -> {layer[1]} (an adapter for another model?)")
     targets = peft.get("target_modules")
     if isinstance(targets, (list, tuple)):
-        layers = {k.rsplit(".", 1)[0] for k in per_block}
-        modules = [m for m in layers if f"{m}.kernel" in base or f"{m}.weight" in base]
+        modules = [m for m in {k.rsplit(".", 1)[0] for k in per_block} if m in features]
         missing = [t for t in targets if not any(_matches(_hf_module(m), t) for m in modules)]
         problems += [f"target_modules lists {t!r}, but no adapter tensor is for it" for t in missing]
     if problems:
