@@ -55,7 +55,7 @@ from jax.sharding import PartitionSpec as P
 from .config import TextConfig
 from .layers import Linear
 from .params import EXPERT, FSDP
-from .quant import EXPERTS_KIND, QTensor, QuantSpec, qdot, scale_shape, storage_dtype, storage_shape
+from .quant import EXPERTS_KIND, QTensor, QuantSpec, qdot, storage_dtype, stored_shapes
 from .sharding import BATCH
 
 __all__ = ["MOE_IMPLEMENTATIONS", "Routing", "tokamax_module", "tokamax_installed", "resolve_implementation",
@@ -317,10 +317,9 @@ class QuantExperts(nnx.Module):
         self.rows = (hidden, width)
         for name, (rows, cols), block in (("gate_up_proj", (hidden, 2 * width), self.blocks[0]),
                                           ("down_proj", (width, hidden), self.blocks[1])):
-            setattr(self, name, nnx.Param(jnp.zeros((experts,) + storage_shape(spec.method, rows, cols),
-                                                    storage_dtype(spec.method))))
-            setattr(self, name + "_scale", nnx.Param(jnp.ones((experts,) + scale_shape(block, rows, cols),
-                                                              spec.np_scale_dtype)))
+            shape, grid = stored_shapes(spec.method, block, rows, cols, out_major=False)
+            setattr(self, name, nnx.Param(jnp.zeros((experts,) + shape, storage_dtype(spec.method))))
+            setattr(self, name + "_scale", nnx.Param(jnp.ones((experts,) + grid, spec.np_scale_dtype)))
 
     def weights(self):
         return (QTensor(self.gate_up_proj[...], self.gate_up_proj_scale[...], self.method, self.blocks[0], self.rows[0]),

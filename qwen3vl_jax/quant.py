@@ -20,7 +20,8 @@ matrix-vector product (a bf16 / int8 / fp8 weight upcast whole runs ~11x slower 
 multiplied, its partial product scaled, accumulating in float32. A matrix-vector product (decode:
 up to `FUSED_ROWS` rows) with an out-major int8 weight is instead one fused reduction along its
 contiguous rows, `sum(weight * x, axis=-1) * scale`: XLA's CPU backend fuses the conversion into a
-reduction along the contiguous axis (and nowhere else), which reads a quarter of f32's bytes and
+reduction along the contiguous axis (a YNNPACK fusion: an int8 or bf16 conversion only, no shifts or
+FP8 decoding, so int4 and fp8 keep the tiles; docs/design.md), which reads a quarter of f32's bytes and
 runs faster than the f32 product (README, "Quantized weights"). FP8 bytes are decoded by integer
 arithmetic (bit-exact with `astype`: XLA's CPU conversion
 from `float8_e4m3fn` is scalar and as slow as a whole-weight upcast).
@@ -50,8 +51,8 @@ from .params import LazyTensor
 __all__ = ["METHODS", "FP8_MAX", "INT4_GROUP", "TILE", "FUSED_ROWS", "OUT_MAJOR", "QuantSpec", "QTensor",
            "QuantLinear", "make_linear",
            "quantize", "dequantize", "qdot", "decode_fp8", "pack_int4", "unpack_int4", "module_kind",
-           "TEXT_KINDS", "EXPERTS_KIND", "default_modules", "storage_shape", "scale_shape", "storage_dtype", "quantize_params",
-           "quantized_path"]
+           "TEXT_KINDS", "EXPERTS_KIND", "default_modules", "storage_shape", "scale_shape", "stored_shapes",
+           "storage_dtype", "quantize_params", "quantized_path"]
 
 METHODS = ("fp8", "int8", "int4")
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
@@ -142,6 +143,15 @@ def storage_shape(method: str, in_features: int, out_features: int) -> tuple[int
 def scale_shape(block: tuple[int, int], in_features: int, out_features: int) -> tuple[int, int]:
     bi, bo = block
     return (-(-in_features // (bi or in_features)), -(-out_features // (bo or out_features)))
+
+
+def stored_shapes(method: str, block: tuple[int, int], in_features: int, out_features: int,
+                  out_major: bool) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The stored weight's and its scale grid's shapes (last two axes): `storage_shape` and
+    `scale_shape`, swapped to `[out, in]` for an out-major weight (`OUT_MAJOR`)."""
+    weight = storage_shape(method, in_features, out_features)
+    grid = scale_shape(block, in_features, out_features)
+    return (weight[::-1], grid[::-1]) if out_major else (weight, grid)
 
 
 # ---------------------------------------------------------------------- host-side quantization
@@ -417,10 +427,9 @@ class QuantLinear(nnx.Module):
         self.out_major = spec.method in OUT_MAJOR
         self.param_dtype = param_dtype
         self.dtype = dtype
-        shape = storage_shape(spec.method, in_features, out_features)
-        grid = scale_shape(self.block, in_features, out_features)
-        stored = nnx.Param(jnp.zeros(shape[::-1] if self.out_major else shape, storage_dtype(spec.method)))
-        scale = nnx.Param(jnp.ones(grid[::-1] if self.out_major else grid, spec.np_scale_dtype))
+        shape, grid = stored_shapes(spec.method, self.block, in_features, out_features, self.out_major)
+        stored = nnx.Param(jnp.zeros(shape, storage_dtype(spec.method)))
+        scale = nnx.Param(jnp.ones(grid, spec.np_scale_dtype))
         if self.out_major:
             self.weight, self.weight_scale = stored, scale
         else:
@@ -485,9 +494,7 @@ def quantize_params(params: dict[str, object], spec: QuantSpec) -> dict[str, obj
         once = functools.lru_cache(maxsize=1)(lambda t=lazy, b=block: quantize(t.load(), spec.method, b))
         lead = tuple(lazy.shape[:-2])
         out_major = spec.method in OUT_MAJOR and path.endswith(".kernel")
-        kernel_shape, grid = storage_shape(spec.method, rows, cols), scale_shape(block, rows, cols)
-        if out_major:
-            kernel_shape, grid = kernel_shape[::-1], grid[::-1]
+        kernel_shape, grid = stored_shapes(spec.method, block, rows, cols, out_major)
         orient = (lambda a: np.ascontiguousarray(np.swapaxes(a, -1, -2))) if out_major else (lambda a: a)
 
         def take_kernel(once=once, orient=orient):
