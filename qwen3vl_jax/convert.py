@@ -230,6 +230,11 @@ def _with_callback(tensors: Mapping[str, LazyTensor], callback: Callable[[str], 
 # ---------------------------------------------------------------------- loading and exporting
 
 
+def _layout(rule, stored_shape, shape) -> Transform:
+    """The first of `rule`'s readers that turns `stored_shape` into our `shape` (else its transform)."""
+    return next((t for t in rule.readers if _fits(t, stored_shape) == tuple(shape)), rule.transform)
+
+
 def plan_hf_params(
     directory: str | os.PathLike,
     expected: Mapping[str, tuple[tuple[int, ...], np.dtype]],
@@ -249,7 +254,9 @@ def plan_hf_params(
     problems: list[str] = []
     seen: dict[str, str] = {}  # HF name -> file
     claimed: dict[str, str] = {}  # our path -> HF name (also for tensors rejected on shape)
-    for file, name, stored_shape, _ in iter_hf_headers(directory):
+    headers = list(iter_hf_headers(directory))
+    stored_shapes = {name: stored_shape for _, name, stored_shape, _ in headers}
+    for file, name, stored_shape, _ in headers:
         if name in seen:
             problems.append(f"tensor {name} appears twice ({seen[name]} and {file})")
             continue
@@ -273,7 +280,11 @@ def plan_hf_params(
         # that gives the model's shape; every other tensor has one transform.
         transform = rule.transform
         if rule.layouts:
-            transform = next((t for t in rule.readers if _fits(t, stored_shape) == tuple(shape)), transform)
+            transform = _layout(rule, stored_shape, shape)
+            weight = name[: -len("_scale_inv")] if name.endswith("_scale_inv") else None
+            if weight in stored_shapes and (found := hf_rule(weight)) is not None and found[0] in expected:
+                # a scale grid is read in its weight's layout (a square grid would fit either)
+                transform = _layout(found[1], stored_shapes[weight], expected[found[0]][0])
         try:
             ours_shape = _transformed_shape(transform.to_ours, stored_shape)
         except (TypeError, ValueError) as e:
@@ -307,13 +318,15 @@ def plan_hf_params(
 
 def checkpoint_quantization(directory: str | os.PathLike, config: Qwen3VLConfig) -> QuantSpec | None:
     """The FP8 layout of an HF checkpoint, from its headers: which modules hold FP8 weights (a weight
-    with a sibling `weight_scale_inv`; every other tensor is not FP8, whatever
-    `modules_to_not_convert` says) as a `quant.QuantSpec`, or None for a full-precision checkpoint.
+    with a sibling `weight_scale_inv`, or a layer's fused experts `gate_up_proj` / `down_proj` with
+    `..._scale_inv`; every other tensor is not FP8, whatever `modules_to_not_convert` says) as a
+    `quant.QuantSpec`, or None for a full-precision checkpoint.
 
     Every problem is reported in one `CheckpointError` naming the tensor: a scale without its
-    weight, a scale grid that is not `[ceil(out/B), ceil(in/B)]` of its weight, an FP8 weight without
-    scales, scales of another dtype than float32 / bfloat16, FP8 weights outside the language model
-    (the vision tower, the experts: not supported), or scales without a `quantization_config`.
+    weight, a scale grid that is not `[ceil(out/B), ceil(in/B)]` of its weight (`[E, ...]` of the
+    experts, in the weight's layout), an FP8 weight without scales, scales of another dtype than
+    float32 / bfloat16, FP8 weights outside the language model (the vision tower: not supported),
+    or scales without a `quantization_config`.
     """
     headers = {name: (shape, dtype) for _, name, shape, dtype in iter_hf_headers(directory)}
     scales = sorted(n for n in headers if n.endswith("_scale_inv"))
@@ -333,10 +346,6 @@ def checkpoint_quantization(directory: str | os.PathLike, config: Qwen3VLConfig)
             problems.append(f"{name}: a scale without its weight ({weight} is not in the checkpoint)")
             continue
         wshape, wdtype = headers[weight]
-        if ".mlp.experts." in name or not name.endswith(".weight_scale_inv"):
-            problems.append(f"{name}: FP8 experts in a checkpoint are not supported (load the full-precision "
-                            "checkpoint with quantize='fp8')")
-            continue
         target = hf_rule(weight)
         if target is None or not target[0].startswith(("language_model.layers.", "lm_head")):
             problems.append(f"{name}: FP8 weights outside the language model (here {weight}) are not supported")
@@ -345,10 +354,11 @@ def checkpoint_quantization(directory: str | os.PathLike, config: Qwen3VLConfig)
             problems.append(f"{name}: its weight {weight} is {wdtype}, not F8_E4M3")
         if dtype not in ("F32", "BF16"):
             problems.append(f"{name}: scales must be F32 or BF16, got {dtype}")
-        grid = [-(-wshape[0] // block_out), -(-wshape[1] // block_in)] if len(wshape) == 2 else None
-        if list(shape) != grid:
+        grids = _scale_grids(wshape, (block_out, block_in), experts=".mlp.experts." in name)
+        if list(shape) not in grids:
+            expected = " or ".join(str(g) for g in grids) or "none: the weight is not a matrix"
             problems.append(f"{name}: scale grid {list(shape)} does not match its weight {weight} {list(wshape)} in "
-                            f"blocks of {[block_out, block_in]} (weight_block_size): expected {grid}")
+                            f"blocks of {[block_out, block_in]} (weight_block_size): expected {expected}")
         scale_dtypes.add(dtype)
         modules.add(module_kind(target[0].rsplit(".", 1)[0]))
     for name, (_, dtype) in sorted(headers.items()):
@@ -363,6 +373,21 @@ def checkpoint_quantization(directory: str | os.PathLike, config: Qwen3VLConfig)
         return None
     return QuantSpec("fp8", (block_in, block_out), frozenset(modules),
                      "bfloat16" if scale_dtypes == {"BF16"} else "float32")
+
+
+def _scale_grids(shape, block: tuple[int, int], *, experts: bool) -> list[list[int]]:
+    """The scale grids an FP8 weight of `shape` may carry in blocks of `block = [out, in]`
+    (`weight_block_size`): `[ceil(out/B0), ceil(in/B1)]` of a linear's `[out, in]`; for a layer's
+    experts `[E, ...]` the same per expert, the grid's last two axes in the weight's layout (the
+    module layout `[E, out, in]`, or the released `[E, in, out]` with the grid swapped too)."""
+    ceil = lambda n, b: -(-n // b)  # noqa: E731
+    if not experts:
+        return [[ceil(shape[0], block[0]), ceil(shape[1], block[1])]] if len(shape) == 2 else []
+    if len(shape) != 3:
+        return []
+    e, a, b = shape
+    grids = [[e, ceil(a, block[0]), ceil(b, block[1])], [e, ceil(a, block[1]), ceil(b, block[0])]]
+    return grids[:1] if grids[0] == grids[1] else grids
 
 
 def fp8_config(spec: QuantSpec):

@@ -419,28 +419,39 @@ def make_fp8_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, bl
     full-precision checkpoint `source`: every language-model linear weight `[out, in]` quantized to
     `float8_e4m3fn` in blocks of `block = [out, in]` (HF's `weight_block_size`; partial edge blocks
     where the widths are not multiples), with its `weight_scale_inv [ceil(out/B0), ceil(in/B1)]`
-    (float32 or bfloat16, "multiply to dequantize"); every other tensor as it is, and
-    `quantization_config` in config.json. `dequantized`: write instead the full-precision
-    checkpoint of the dequantized weights (float32; what HF computes from the FP8 one), no
-    `quantization_config`."""
+    (float32 or bfloat16, "multiply to dequantize"); a MoE layer's fused experts likewise, expert by
+    expert, in the checkpoint's own layout (`gate_up_proj` with `gate_up_proj_scale_inv [E, ...]`,
+    the grid's axes in the weight's order: HF's `FP8Experts` parameters in the module layout); every
+    other tensor as it is, and `quantization_config` in config.json. `dequantized`: write instead
+    the full-precision checkpoint of the dequantized weights (float32; what HF computes from the FP8
+    one), no `quantization_config`."""
     out = os.fspath(out)
     os.makedirs(out, exist_ok=True)
     pattern = re.compile(r"model\.language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
                          r"\.weight")
+    experts = re.compile(r"model\.language_model\.layers\.\d+\.mlp\.experts\.(gate_up|down)_proj")
+    text = Qwen3VLConfig.from_hf_config(source).text
+    ours_block = (int(block[1]), int(block[0]))  # [out, in] -> our [in, out] orientation
     tensors = {}
     for _, name, value in iter_hf_tensors(source):
-        if not pattern.fullmatch(name):
+        if pattern.fullmatch(name):
+            in_major = lambda a: a.T  # noqa: E731  (a linear's [out, in] <-> our [in, out])
+        elif experts.fullmatch(name):
+            gate_up = name.endswith("gate_up_proj")
+            module = value.shape[1:] == ((2 * text.moe_intermediate_size, text.hidden_size) if gate_up
+                                         else (text.hidden_size, text.moe_intermediate_size))
+            in_major = (lambda a: np.swapaxes(a, -1, -2)) if module else (lambda a: a)  # noqa: E731
+        else:
             tensors[name] = value
             continue
-        ours_block = (int(block[1]), int(block[0]))  # [out, in] -> our [in, out] orientation
-        kernel, scale = quantize(np.asarray(value, np.float32).T, "fp8", ours_block)
+        kernel, scale = quantize(in_major(np.asarray(value, np.float32)), "fp8", ours_block)
         if scale_dtype == "bfloat16":
             scale = scale.astype(ml_dtypes.bfloat16)
         if dequantized:
-            tensors[name] = np.ascontiguousarray(dequantize(kernel, scale, "fp8", ours_block).T)
+            tensors[name] = np.ascontiguousarray(in_major(dequantize(kernel, scale, "fp8", ours_block)))
         else:
-            tensors[name] = np.ascontiguousarray(kernel.T)
-            tensors[name + "_scale_inv"] = np.ascontiguousarray(scale.T)
+            tensors[name] = np.ascontiguousarray(in_major(kernel))
+            tensors[name + "_scale_inv"] = np.ascontiguousarray(in_major(scale))
     write_safetensors(tensors, out)
     copy_side_files(source, out, skip=("config.json",))
     with open(os.path.join(os.fspath(source), "config.json")) as f:

@@ -1,7 +1,8 @@
 """(A subprocess of tests/test_moe.py, 8 host CPU devices.) A tiny MoE checkpoint on one device and
 on meshes with an `expert` axis: logits, greedy ids, the loss gradient (LM + router aux loss) and
 the parameters after one `Trainer` step, written as .npz. With `--quantize METHOD` first, the
-checkpoint is loaded with quantized weights (experts included): logits and greedy ids only."""
+checkpoint is loaded with quantized weights (experts included), or with `--quantize checkpoint` in
+the quantized layout it holds (an FP8 checkpoint): logits and greedy ids only."""
 
 from __future__ import annotations
 
@@ -44,12 +45,14 @@ def run_frozen(model, batch):
 
 
 def main(directory, out, meshes, quantize=None):
+    frozen = quantize is not None
+    quantize = None if quantize == "checkpoint" else quantize
     rng = np.random.default_rng(0)
     ids = rng.integers(5, 400, (4, 24)).astype(np.int32)
     mask = np.ones_like(ids)
     mask[1, :7] = 0  # left padding
     batch = {"input_ids": ids, "attention_mask": mask, "labels": np.where(mask, ids, -100)}
-    if quantize:
+    if frozen:
         logits, gen = run_frozen(Qwen3VL.from_pretrained(directory, scan_layers=False, quantize=quantize), batch)
         results = {"one/logits": logits, "one/ids": gen}
     else:
@@ -61,7 +64,7 @@ def main(directory, out, meshes, quantize=None):
         weight = experts.gate_up_proj[...]
         results[f"{mesh}/spec"] = np.array(str(weight.sharding.spec))
         results[f"{mesh}/local_experts"] = np.array(weight.addressable_shards[0].data.shape[0])
-        if quantize:
+        if frozen:
             scale = experts.gate_up_proj_scale[...]
             results[f"{mesh}/dtype"] = np.array(str(weight.dtype))
             results[f"{mesh}/scale_experts"] = np.array(scale.addressable_shards[0].data.shape[0])

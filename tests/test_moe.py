@@ -398,26 +398,34 @@ def test_expert_parallel_meshes_match_one_device(moe_dirs, tmp_path):
 
 @pytest.mark.slow  # (the fast tier keeps the one-device quantized experts, tests/test_quant.py)
 @pytest.mark.parametrize("method, meshes", [("int8", ["expert=2,fsdp=2,tensor=2"]),
-                                            ("fp8", ["expert=8", "expert=2,fsdp=2,tensor=2"])])
+                                            ("fp8", ["expert=8", "expert=2,fsdp=2,tensor=2"]),
+                                            ("checkpoint", ["expert=8", "expert=2,fsdp=2,tensor=2"])])
 def test_quantized_experts_under_an_expert_axis_match_one_device(moe_dirs, tmp_path, method, meshes):
     """Quantized experts (`moe.QuantExperts`, weights and scale grids) under `expert` meshes on 8 host
     CPU devices give the one-device quantized model's logits and greedy ids; each device holds E / n
-    experts' stored weights."""
+    experts' stored weights. "checkpoint": an FP8 checkpoint (experts in 16 x 16 blocks, partial at
+    the edges) read as it is stored, each device reading its experts from the file."""
     import subprocess
     import sys
 
+    from qwen3vl_jax.testing import make_fp8_checkpoint
+
+    directory = moe_dirs["sparse"]
+    if method == "checkpoint":
+        directory = make_fp8_checkpoint(directory, tmp_path / "fp8", block=(16, 16))
     out = tmp_path / "mesh.npz"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "moe_mesh_worker.py"),
-                           "--quantize", method, moe_dirs["sparse"], str(out), *meshes], env=env,
+                           "--quantize", method, directory, str(out), *meshes], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = np.load(out)
     experts = CONFIGS["sparse"][0]["num_experts"]
     for mesh in meshes:
         n = int(dict(kv.split("=") for kv in mesh.split(","))["expert"])
-        assert str(results[f"{mesh}/dtype"]) == {"int8": "int8", "fp8": "float8_e4m3fn"}[method]
+        assert str(results[f"{mesh}/dtype"]) == {"int8": "int8", "fp8": "float8_e4m3fn",
+                                                 "checkpoint": "float8_e4m3fn"}[method]
         assert "expert" in str(results[f"{mesh}/spec"]), results[f"{mesh}/spec"]
         assert int(results[f"{mesh}/local_experts"]) == experts // n
         assert int(results[f"{mesh}/scale_experts"]) == experts  # the scale grids are replicated

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -147,6 +148,71 @@ def test_fp8_bad_inputs_are_refused_naming_the_tensor_or_field(fp8_dirs, tmp_pat
             Qwen3VL.from_pretrained(bad)
         with pytest.raises(error, match=message):
             cli(["convert", str(bad), str(tmp_path / (case + "_out")), "--to", "hf"])
+
+
+# FP8 MoE checkpoints: the fused experts `gate_up_proj` / `down_proj` with `..._scale_inv [E, ...]`, in
+# each layout; released with I = 40 (no square tensor, so no layout is ambiguous) and partial blocks.
+MOE_FP8 = {"module": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64), FULL,
+                      {"gate_up_proj_scale": (4, 2, 4), "down_proj_scale": (4, 2, 2)}),
+           "released": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40), PARTIAL,
+                        {"gate_up_proj_scale": (4, 2, 2), "down_proj_scale": (4, 1, 2)})}
+
+
+@pytest.fixture(scope="module")
+def moe_fp8_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_fp8")
+    dirs = {}
+    for layout, (text, block, _) in MOE_FP8.items():
+        src = make_tiny_checkpoint(root / layout, seed=7, text=text, expert_layout=layout)
+        dirs[layout] = make_fp8_checkpoint(src, root / f"{layout}_fp8", block=block)
+        dirs[layout + "_deq"] = make_fp8_checkpoint(src, root / f"{layout}_deq", block=block, dequantized=True)
+    return dirs
+
+
+@pytest.mark.parametrize("layout", list(MOE_FP8))
+def test_fp8_moe_checkpoint_keeps_fp8_experts_and_writes_them_back(moe_fp8_dirs, tmp_path, layout):
+    """An FP8 MoE checkpoint: the experts stay FP8 with their block scales on the device (each scale
+    grid read in its weight's layout), the model equals the full-precision model on the dequantized
+    checkpoint, and `convert --to hf` writes every tensor back bit for bit in the same layout."""
+    from qwen3vl_jax.moe import QuantExperts
+
+    src = moe_fp8_dirs[layout]
+    model = Qwen3VL.from_pretrained(src)
+    experts = model.language_model.layers[0].mlp.experts
+    assert isinstance(experts, QuantExperts) and experts.gate_up_proj.dtype == jnp.float8_e4m3fn
+    assert {k: getattr(experts, k).shape for k in MOE_FP8[layout][2]} == MOE_FP8[layout][2]
+    ids, mask = _inputs()
+    real = mask.astype(bool)
+    ours = np.asarray(model(ids, mask))
+    deq = np.asarray(Qwen3VL.from_pretrained(moe_fp8_dirs[layout + "_deq"])(ids, mask))
+    assert_close(ours[real], deq[real], "f32_logits", f"FP8 experts, {layout} layout")
+    cli(["convert", str(src), str(tmp_path / "back"), "--to", "hf", "--dtype", "float32"])
+    before, after = _tensors(src), _tensors(tmp_path / "back")
+    assert sorted(before) == sorted(after) and any(n.endswith("experts.gate_up_proj_scale_inv") for n in before)
+    for name, value in before.items():
+        assert after[name].dtype == value.dtype and after[name].tobytes() == value.tobytes(), name
+    name = "model.language_model.layers.1.mlp.experts.gate_up_proj_scale_inv"
+    cut = before[name][:, :-1]
+    bad = _edit(src, tmp_path / "bad", change={name: cut})
+    with pytest.raises(CheckpointError, match=re.escape(f"{name}: scale grid {list(cut.shape)} does not match its weight")):
+        Qwen3VL.from_pretrained(bad)
+
+
+@pytest.mark.needs_torch
+def test_fp8_moe_checkpoint_matches_hf_on_the_dequantized_weights(moe_fp8_dirs):
+    """HF 5.25 on a CPU does not apply fused experts' `..._scale_inv` (it reports them unexpected),
+    so the reference is HF's MoE model on the dequantized checkpoint (float32, what its dequantizer
+    computes for a linear): our FP8 experts give its logits."""
+    import torch
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    hf = Qwen3VLMoeForConditionalGeneration.from_pretrained(moe_fp8_dirs["module_deq"], dtype=torch.float32).eval()
+    ids, mask = _inputs()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits.numpy()
+    ours = np.asarray(Qwen3VL.from_pretrained(moe_fp8_dirs["module"])(ids, mask))
+    real = mask.astype(bool)
+    assert_close(ours[real], ref[real], "f32_logits", "FP8 experts vs HF")
 
 
 @pytest.mark.parametrize("method,block,rows,cols", [
