@@ -17,16 +17,16 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import struct
 from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
 from .config import FP8Config, Qwen3VLConfig
-from .params import (EXPERT_LAYOUTS, CheckpointError, LazyTensor, Transform, as_lazy, expert_layout_of, flatten_paths,
-                     hf_rule, keeps_dtype, nest_paths,
-                     ours_to_hf_name)
-from .quant import QuantSpec, module_kind, quantize_params
+from .params import (EXPERT_LAYOUTS, EXPERTS_RELEASED, LINEAR, CheckpointError, LazyTensor, Transform, as_lazy,
+                     expert_layout_of, flatten_paths, hf_rule, keeps_dtype, nest_paths, ours_to_hf_name)
+from .quant import TEXT_KINDS, QuantSpec, module_kind, quantize_params
 
 __all__ = [
     "safetensors_files",
@@ -347,8 +347,8 @@ def checkpoint_quantization(directory: str | os.PathLike, config: Qwen3VLConfig)
             continue
         wshape, wdtype = headers[weight]
         target = hf_rule(weight)
-        if target is None or not target[0].startswith(("language_model.layers.", "lm_head")):
-            problems.append(f"{name}: FP8 weights outside the language model (here {weight}) are not supported")
+        if target is None or target[1].transform is not (EXPERTS_RELEASED if ".mlp.experts." in name else LINEAR):
+            problems.append(f"{name}: FP8 weights are read for linear layers and experts, not for {weight}")
             continue
         if wdtype != "F8_E4M3":
             problems.append(f"{name}: its weight {weight} is {wdtype}, not F8_E4M3")
@@ -390,13 +390,24 @@ def _scale_grids(shape, block: tuple[int, int], *, experts: bool) -> list[list[i
     return grids[:1] if grids[0] == grids[1] else grids
 
 
-def fp8_config(spec: QuantSpec):
+def fp8_config(spec: QuantSpec, config: Qwen3VLConfig):
     """The HF `quantization_config` (`config.FP8Config`) of an fp8 `QuantSpec` (what `save_hf` /
-    `convert --quantize fp8 --to hf` write): the modules it leaves unquantized as HF names."""
+    `convert --quantize fp8 --to hf` write): `modules_to_not_convert` lists, as HF's module patterns
+    (regular expressions from the start of the name), every linear kind the spec leaves in full
+    precision, since HF's loader converts every other linear (and the router, never quantized here):
+    `lm_head`, the vision tower whole where none of its linears is quantized, else its kinds one by one."""
     bi, bo = spec.block
-    keep = ["lm_head"] if "lm_head" not in spec.modules else []
+    pattern = lambda kind: re.escape("model." + kind).replace(r"\*", r"\d+")  # noqa: E731
+    vision = [f"visual.blocks.*.{m}" for m in ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")]
+    vision += [f"{merger}.linear_fc{i}" for merger in ["visual.merger"] + [
+        f"visual.deepstack_merger_list.{n}" for n in range(len(config.vision.deepstack_visual_indexes))]
+        for i in (1, 2)]
+    keep = [] if "lm_head" in spec.modules else ["lm_head"]
+    keep += [pattern(k) for k in TEXT_KINDS if k not in spec.modules]
+    keep += [pattern("language_model.layers.*.mlp.gate")]
+    keep += [pattern(k) for k in vision if k not in spec.modules] if spec.modules & set(vision) else ["model.visual"]
     raw = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [bo, bi],
-           "modules_to_not_convert": keep + ["model.visual"]}
+           "modules_to_not_convert": keep}
     return FP8Config(weight_block_size=(bo, bi), raw=json.dumps(raw, sort_keys=True))
 
 
@@ -914,7 +925,7 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, expect
                 params = quantize_params(params, quantize)
                 spec = quantize
                 if quantize.method == "fp8":
-                    config = config.replace(quantization=fp8_config(quantize))
+                    config = config.replace(quantization=fp8_config(quantize, config))
         layout = expert_layout_of(params) or "released"
         params = _with_callback(params, on_tensor)
         if to == "orbax":

@@ -148,7 +148,8 @@ class Qwen3VL(nnx.Module):
         self.generation_config = GenerationConfig()  # EOS / pad ids; from_pretrained reads the checkpoint's
         self.expert_layout = "released"  # the HF layout of MoE experts that `save_hf` writes (as loaded)
         kw = dict(dtype=dtype, param_dtype=param_dtype, remat=bool(remat), rngs=rngs)
-        self.visual = VisionModel(config.vision, scan_layers=use_scan(scan_layers, config.vision.depth), **kw)
+        self.visual = VisionModel(config.vision, scan_layers=use_scan(scan_layers, config.vision.depth),
+                                  quant=quantization, **kw)
         text_scan = use_scan(scan_layers, config.text.num_hidden_layers)
         if scan_layers is None and not config.text.uniform_layers:
             text_scan = False  # dense and sparse layers mixed: they cannot share one stacked layout
@@ -279,7 +280,7 @@ class Qwen3VL(nnx.Module):
             raise ValueError(f"{self.quantization.method} weights have no HF checkpoint format here (save_orbax "
                              "keeps them; FP8 is written in HF's fine-grained format)")
         if self.quantization is not None and config.quantization is None:
-            config = config.replace(quantization=fp8_config(self.quantization))
+            config = config.replace(quantization=fp8_config(self.quantization, config))
         return save_hf(canonical_params(self), config, directory, dtype=dtype,
                        max_shard_bytes=max_shard_bytes, expert_layout=self.expert_layout)
 

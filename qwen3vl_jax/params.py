@@ -139,6 +139,10 @@ class Rule:
 
 _VIT = r"blocks\.\d+\."
 _LAYER = r"layers\.\d+\."
+# The vision tower's linears (each ViT block's four, the mergers' two): quantized only where a spec
+# names them (an FP8 checkpoint whose vision weights carry scales; a tower left in full precision
+# by default). Replicated, as the tower is by default.
+_VISION_LINEARS = r"(?:" + _VIT + r"(?:attn\.(?:qkv|proj)|mlp\.linear_fc[12])|(?:merger|deepstack_merger_list\.\d+)\.linear_fc[12])"
 # Order matters: the first matching rule wins.
 RULES: tuple[Rule, ...] = (
     Rule("model.visual.patch_embed.proj.weight", "visual.patch_embed.proj.kernel", CONV3D_AS_LINEAR),
@@ -179,6 +183,7 @@ RULES: tuple[Rule, ...] = (
     Rule("model.language_model.{x}_scale_inv", "language_model.{x}_scale", EXPERTS_RELEASED,
          x=_LAYER + r"mlp\.experts\.(?:gate_up|down)_proj", layouts=(EXPERTS_MODULE,)),
     Rule("lm_head.weight_scale_inv", "lm_head.kernel_scale", LINEAR),
+    Rule("model.visual.{x}.weight_scale_inv", "visual.{x}.kernel_scale", LINEAR, x=_VISION_LINEARS),
     # An int8 linear (`quant.OUT_MAJOR`) holds its weight `[out, in]`, HF's orientation, and one
     # scale per output `[out, 1]`; quantized here from the rows above, so not read from HF names.
     Rule("model.language_model.{x}.weight", "language_model.{x}.weight", IDENTITY,
@@ -189,6 +194,8 @@ RULES: tuple[Rule, ...] = (
          x=_LAYER + r"(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)", read=False),
     Rule("lm_head.weight", "lm_head.weight", IDENTITY, spec=COLUMNS[::-1], read=False),
     Rule("lm_head.weight_scale", "lm_head.weight_scale", IDENTITY, read=False),
+    Rule("model.visual.{x}.weight", "visual.{x}.weight", IDENTITY, x=_VISION_LINEARS, read=False),
+    Rule("model.visual.{x}.weight_scale", "visual.{x}.weight_scale", IDENTITY, x=_VISION_LINEARS, read=False),
 )
 
 # The storage dtypes of quantized weights (`quant.py`): FP8 e4m3, int8 (and int4 packed in int8).

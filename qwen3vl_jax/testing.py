@@ -413,7 +413,7 @@ FP8_NOT_CONVERTED = ["lm_head", "model.visual"]
 
 
 def make_fp8_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, block: tuple[int, int] = (128, 128),
-                        scale_dtype: str = "float32", dequantized: bool = False,
+                        scale_dtype: str = "float32", dequantized: bool = False, vision: bool = False,
                         modules_to_not_convert: list[str] | None = None) -> str:
     """An HF fine-grained FP8 checkpoint (the layout of Qwen's FP8 releases) made from the
     full-precision checkpoint `source`: every language-model linear weight `[out, in]` quantized to
@@ -422,13 +422,16 @@ def make_fp8_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, bl
     (float32 or bfloat16, "multiply to dequantize"); a MoE layer's fused experts likewise, expert by
     expert, in the checkpoint's own layout (`gate_up_proj` with `gate_up_proj_scale_inv [E, ...]`,
     the grid's axes in the weight's order: HF's `FP8Experts` parameters in the module layout); every
-    other tensor as it is, and `quantization_config` in config.json. `dequantized`: write instead
-    the full-precision checkpoint of the dequantized weights (float32; what HF computes from the FP8
+    other tensor as it is, and `quantization_config` in config.json. `vision`: the vision tower's
+    linears too (each ViT block's `attn.qkv` / `attn.proj` / `mlp.linear_fc1` / `linear_fc2` and the
+    mergers'; `modules_to_not_convert` then lists `lm_head` only). `dequantized`: write instead the
+    full-precision checkpoint of the dequantized weights (float32; what HF computes from the FP8
     one), no `quantization_config`."""
     out = os.fspath(out)
     os.makedirs(out, exist_ok=True)
     pattern = re.compile(r"model\.language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
-                         r"\.weight")
+                         r"\.weight" + (r"|model\.visual\.(blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])"
+                                        r"|(merger|deepstack_merger_list\.\d+)\.linear_fc[12])\.weight" if vision else ""))
     experts = re.compile(r"model\.language_model\.layers\.\d+\.mlp\.experts\.(gate_up|down)_proj")
     text = Qwen3VLConfig.from_hf_config(source).text
     ours_block = (int(block[1]), int(block[0]))  # [out, in] -> our [in, out] orientation
@@ -461,6 +464,6 @@ def make_fp8_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, bl
             "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": [int(block[0]), int(block[1])],
             "modules_to_not_convert": modules_to_not_convert if modules_to_not_convert is not None
-            else FP8_NOT_CONVERTED}
+            else ["lm_head"] if vision else FP8_NOT_CONVERTED}
     _write_json(out, "config.json", config)
     return out

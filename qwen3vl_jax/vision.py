@@ -32,6 +32,7 @@ from pallas_kernels.pos_embed.reference import interpolation_taps, merge_order_r
 
 from .config import VisionConfig
 from .layers import LayerNorm, Linear, apply_rotary, check_layers, make_stack, run_stack, segment_edges
+from .quant import QuantSpec, make_linear
 from .sharding import constrain
 
 __all__ = ["VisionMetadata", "vision_metadata", "validate_vision_inputs", "VisionModel"]
@@ -187,13 +188,15 @@ class PatchEmbed(nnx.Module):
         return self.proj(pixel_values)
 
 
+_BLOCK = "visual.blocks.*."  # the kind of a ViT block's module (`quant.module_kind`)
+
+
 class VisionAttention(nnx.Module):
-    def __init__(self, config: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs, quant: QuantSpec | None = None):
         self.num_heads = config.num_heads
-        self.qkv = Linear(config.hidden_size, 3 * config.hidden_size, use_bias=True, dtype=dtype,
-                          param_dtype=param_dtype, rngs=rngs)
-        self.proj = Linear(config.hidden_size, config.hidden_size, use_bias=True, dtype=dtype,
-                           param_dtype=param_dtype, rngs=rngs)
+        kw = dict(use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)
+        self.qkv = make_linear(config.hidden_size, 3 * config.hidden_size, path=_BLOCK + "attn.qkv", **kw)
+        self.proj = make_linear(config.hidden_size, config.hidden_size, path=_BLOCK + "attn.proj", **kw)
 
     def __call__(self, x, cos, sin, mask: AttentionMask, implementation: str, return_weights: bool = False):
         """`[P, E]` output; with `return_weights` also the probabilities `[H, P, P]`."""
@@ -211,11 +214,12 @@ class VisionAttention(nnx.Module):
 
 
 class VisionMLP(nnx.Module):
-    def __init__(self, config: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.linear_fc1 = Linear(config.hidden_size, config.intermediate_size, use_bias=True, dtype=dtype,
-                                 param_dtype=param_dtype, rngs=rngs)
-        self.linear_fc2 = Linear(config.intermediate_size, config.hidden_size, use_bias=True, dtype=dtype,
-                                 param_dtype=param_dtype, rngs=rngs)
+    def __init__(self, config: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs, quant: QuantSpec | None = None):
+        kw = dict(use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)
+        self.linear_fc1 = make_linear(config.hidden_size, config.intermediate_size, path=_BLOCK + "mlp.linear_fc1",
+                                      **kw)
+        self.linear_fc2 = make_linear(config.intermediate_size, config.hidden_size, path=_BLOCK + "mlp.linear_fc2",
+                                      **kw)
 
     def __call__(self, x):
         # The ViT MLP uses the tanh approximation (`gelu_pytorch_tanh`); the mergers do not.
@@ -223,11 +227,11 @@ class VisionMLP(nnx.Module):
 
 
 class VisionBlock(nnx.Module):
-    def __init__(self, config: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs, quant: QuantSpec | None = None):
         self.norm1 = LayerNorm(config.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.norm2 = LayerNorm(config.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.attn = VisionAttention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.mlp = VisionMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.attn = VisionAttention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)
+        self.mlp = VisionMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)
 
     def __call__(self, x, cos, sin, mask: AttentionMask, implementation: str = "xla", return_weights: bool = False):
         """`[P, E]`; with `return_weights`, `(x, attention probabilities [H, P, P])`."""
@@ -245,14 +249,15 @@ class PatchMerger(nnx.Module):
     (`postshuffle_norm=True`) normalize the grouped row (over 4E).
     """
 
-    def __init__(self, config: VisionConfig, *, postshuffle_norm: bool, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: VisionConfig, *, postshuffle_norm: bool, dtype, param_dtype, rngs: nnx.Rngs,
+                 path: str = "visual.merger", quant: QuantSpec | None = None):
         self.postshuffle_norm = postshuffle_norm
         merged = config.hidden_size * config.merge_unit
         self.norm = LayerNorm(merged if postshuffle_norm else config.hidden_size, dtype=dtype,
                               param_dtype=param_dtype, rngs=rngs)
-        self.linear_fc1 = Linear(merged, merged, use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.linear_fc2 = Linear(merged, config.out_hidden_size, use_bias=True, dtype=dtype,
-                                 param_dtype=param_dtype, rngs=rngs)
+        kw = dict(use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs, quant=quant)
+        self.linear_fc1 = make_linear(merged, merged, path=path + ".linear_fc1", **kw)
+        self.linear_fc2 = make_linear(merged, config.out_hidden_size, path=path + ".linear_fc2", **kw)
         self.merged = merged
 
     def __call__(self, x):  # [P, E] -> [N, O]
@@ -284,7 +289,7 @@ class VisionModel(nnx.Module):
     """`Qwen3VLVisionModel`: pixel patches + metadata -> merged and deepstack features."""
 
     def __init__(self, config: VisionConfig, *, dtype=jnp.float32, param_dtype=None, scan_layers: bool = False,
-                 remat: bool = False, rngs: nnx.Rngs):
+                 remat: bool = False, quant: QuantSpec | None = None, rngs: nnx.Rngs):
         param_dtype = param_dtype or dtype
         self.config = config
         self.dtype = dtype
@@ -294,11 +299,12 @@ class VisionModel(nnx.Module):
         self.patch_embed = PatchEmbed(config, **kw)
         self.pos_embed = nnx.Embed(config.num_position_embeddings, config.hidden_size, dtype=dtype,
                                    param_dtype=param_dtype, rngs=rngs)
-        self.blocks = make_stack(lambda r: VisionBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=r),
-                                 config.depth, scan_layers, rngs)
-        self.merger = PatchMerger(config, postshuffle_norm=False, **kw)
+        self.blocks = make_stack(lambda r: VisionBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=r,
+                                                       quant=quant), config.depth, scan_layers, rngs)
+        self.merger = PatchMerger(config, postshuffle_norm=False, quant=quant, **kw)
         self.deepstack_merger_list = nnx.List(
-            [PatchMerger(config, postshuffle_norm=True, **kw) for _ in config.deepstack_visual_indexes]
+            [PatchMerger(config, postshuffle_norm=True, path=f"visual.deepstack_merger_list.{i}", quant=quant, **kw)
+             for i in range(len(config.deepstack_visual_indexes))]
         )
 
     def __call__(

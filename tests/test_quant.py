@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_close, hf_processor_batch, user_prompt
 
 from qwen3vl_jax import Qwen3VL
 from qwen3vl_jax.cli import main as cli
@@ -148,6 +148,55 @@ def test_fp8_bad_inputs_are_refused_naming_the_tensor_or_field(fp8_dirs, tmp_pat
             Qwen3VL.from_pretrained(bad)
         with pytest.raises(error, match=message):
             cli(["convert", str(bad), str(tmp_path / (case + "_out")), "--to", "hf"])
+
+
+@pytest.mark.needs_torch
+def test_fp8_vision_tower_matches_hf(tiny_dir, tmp_path, hf_processor):
+    """FP8 weights in the vision tower too (the blocks' and the mergers' linears, as HF's FP8 loader
+    converts every linear not in `modules_to_not_convert`): with an image and a video, HF (which
+    dequantizes them on a CPU) gives our logits, and the tower keeps FP8 weights (partial edge
+    blocks where the widths are not multiples); `convert` writes them back bit-identical."""
+    import torch
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from qwen3vl_jax.model import MODEL_INPUTS
+
+    src = make_fp8_checkpoint(tiny_dir, tmp_path / "fp8", block=FULL, vision=True)
+    model = Qwen3VL.from_pretrained(src)
+    qkv, merger = model.visual.blocks[0].attn.qkv, model.visual.deepstack_merger_list[0].linear_fc2
+    assert isinstance(qkv, QuantLinear) and qkv.kernel.dtype == jnp.float8_e4m3fn and qkv.bias is not None
+    assert isinstance(merger, QuantLinear)
+    case = dict(prompts=[user_prompt("image", "video", "What is shown?"), user_prompt("image", "Short.")],
+                images=[(64, 96), (96, 64)], videos=[(4, 64, 64, 2.0)])
+    batch = {k: v for k, v in hf_processor_batch(hf_processor, case).items() if k in MODEL_INPUTS}
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(**batch).logits.numpy()
+    ours = np.asarray(model(**{k: v.numpy() for k, v in batch.items()}))
+    real = batch["attention_mask"].numpy().astype(bool)
+    assert_close(ours[real], ref[real], "f32_logits", "FP8 vision tower vs HF")
+    hf_qkv = hf.model.visual.blocks[0].attn.qkv.weight.detach().numpy()  # HF applied the scales
+    ours_qkv = dequantize(np.asarray(qkv.kernel[...]), np.asarray(qkv.kernel_scale[...]), "fp8", qkv.block)
+    np.testing.assert_array_equal(hf_qkv, ours_qkv.T)
+    plain = _tensors(tiny_dir)["model.visual.blocks.0.attn.qkv.weight"]
+    assert np.abs(plain - hf_qkv).max() > 0  # and they are FP8 values, not the original weights
+    cli(["convert", str(src), str(tmp_path / "back"), "--to", "hf", "--dtype", "float32"])
+    before, after = _tensors(src), _tensors(tmp_path / "back")
+    assert sorted(before) == sorted(after) and "model.visual.blocks.0.attn.qkv.weight_scale_inv" in before
+    for name, value in before.items():
+        assert after[name].dtype == value.dtype and after[name].tobytes() == value.tobytes(), name
+    # quantized here, only some of the tower's linears: the written `modules_to_not_convert` names
+    # the others (HF would convert every linear it does not list), and HF reads it back to our logits
+    from qwen3vl_jax.quant import default_modules
+
+    spec = QuantSpec.make("fp8", block=FULL, modules=default_modules() | {"visual.blocks.*.attn.qkv"})
+    partial = Qwen3VL.from_pretrained(tiny_dir, quantize=spec)
+    partial.save_hf(tmp_path / "partial", dtype="float32")
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "partial", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(**batch).logits.numpy()
+    ours = np.asarray(partial(**{k: v.numpy() for k, v in batch.items()}))
+    assert_close(ours[real], ref[real], "f32_logits", "FP8 qkv only, saved here, vs HF")
 
 
 # FP8 MoE checkpoints: the fused experts `gate_up_proj` / `down_proj` with `..._scale_inv [E, ...]`, in
