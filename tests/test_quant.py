@@ -269,6 +269,8 @@ def test_fp8_moe_checkpoint_matches_hf_on_the_dequantized_weights(moe_fp8_dirs):
     ("int8", (0, 1), 1500, 40),
     ("int4", (128, 1), 1291, 24),  # an odd row count: the last packed byte holds one value
     ("int4", (32, 1), 160, 70),
+    ("fp8", (128, 128), 200, 2 * 8192 + 200),  # two column chunks (`FP8_TILE_COLS`) and a partial tail
+    ("int4", (32, 1), 64, 2 * 2048 + 100),  # two column chunks (`TILE_COLS`) and a tail
 ])
 def test_tiled_product_equals_the_dequantized_weight(method, block, rows, cols):
     rng = np.random.default_rng(0)
