@@ -26,7 +26,7 @@ import numpy as np
 from .config import FP8Config, Qwen3VLConfig
 from .params import (EXPERT_LAYOUTS, EXPERTS_RELEASED, LINEAR, CheckpointError, LazyTensor, Transform, as_lazy,
                      expert_layout_of, flatten_paths, hf_rule, keeps_dtype, nest_paths, ours_to_hf_name)
-from .quant import TEXT_KINDS, QuantSpec, module_kind, quantize_params
+from .quant import TEXT_KINDS, VISION_KINDS, QuantSpec, module_kind, quantize_params
 
 __all__ = [
     "safetensors_files",
@@ -280,11 +280,13 @@ def plan_hf_params(
         # that gives the model's shape; every other tensor has one transform.
         transform = rule.transform
         if rule.layouts:
-            transform = _layout(rule, stored_shape, shape)
             weight = name[: -len("_scale_inv")] if name.endswith("_scale_inv") else None
-            if weight in stored_shapes and (found := hf_rule(weight)) is not None and found[0] in expected:
+            found = hf_rule(weight) if weight in stored_shapes else None
+            if found is not None and found[0] in expected:
                 # a scale grid is read in its weight's layout (a square grid would fit either)
                 transform = _layout(found[1], stored_shapes[weight], expected[found[0]][0])
+            else:
+                transform = _layout(rule, stored_shape, shape)
         try:
             ours_shape = _transformed_shape(transform.to_ours, stored_shape)
         except (TypeError, ValueError) as e:
@@ -390,7 +392,7 @@ def _scale_grids(shape, block: tuple[int, int], *, experts: bool) -> list[list[i
     return grids[:1] if grids[0] == grids[1] else grids
 
 
-def fp8_config(spec: QuantSpec, config: Qwen3VLConfig):
+def fp8_config(spec: QuantSpec):
     """The HF `quantization_config` (`config.FP8Config`) of an fp8 `QuantSpec` (what `save_hf` /
     `convert --quantize fp8 --to hf` write): `modules_to_not_convert` lists, as HF's module patterns
     (regular expressions from the start of the name), every linear kind the spec leaves in full
@@ -398,14 +400,11 @@ def fp8_config(spec: QuantSpec, config: Qwen3VLConfig):
     `lm_head`, the vision tower whole where none of its linears is quantized, else its kinds one by one."""
     bi, bo = spec.block
     pattern = lambda kind: re.escape("model." + kind).replace(r"\*", r"\d+")  # noqa: E731
-    vision = [f"visual.blocks.*.{m}" for m in ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")]
-    vision += [f"{merger}.linear_fc{i}" for merger in ["visual.merger"] + [
-        f"visual.deepstack_merger_list.{n}" for n in range(len(config.vision.deepstack_visual_indexes))]
-        for i in (1, 2)]
     keep = [] if "lm_head" in spec.modules else ["lm_head"]
     keep += [pattern(k) for k in TEXT_KINDS if k not in spec.modules]
     keep += [pattern("language_model.layers.*.mlp.gate")]
-    keep += [pattern(k) for k in vision if k not in spec.modules] if spec.modules & set(vision) else ["model.visual"]
+    vision = [pattern(k) for k in VISION_KINDS if k not in spec.modules]
+    keep += vision if spec.modules & set(VISION_KINDS) else ["model.visual"]
     raw = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [bo, bi],
            "modules_to_not_convert": keep}
     return FP8Config(weight_block_size=(bo, bi), raw=json.dumps(raw, sort_keys=True))
@@ -925,7 +924,7 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, expect
                 params = quantize_params(params, quantize)
                 spec = quantize
                 if quantize.method == "fp8":
-                    config = config.replace(quantization=fp8_config(quantize, config))
+                    config = config.replace(quantization=fp8_config(quantize))
         layout = expert_layout_of(params) or "released"
         params = _with_callback(params, on_tensor)
         if to == "orbax":

@@ -280,7 +280,7 @@ class Qwen3VL(nnx.Module):
             raise ValueError(f"{self.quantization.method} weights have no HF checkpoint format here (save_orbax "
                              "keeps them; FP8 is written in HF's fine-grained format)")
         if self.quantization is not None and config.quantization is None:
-            config = config.replace(quantization=fp8_config(self.quantization, config))
+            config = config.replace(quantization=fp8_config(self.quantization))
         return save_hf(canonical_params(self), config, directory, dtype=dtype,
                        max_shard_bytes=max_shard_bytes, expert_layout=self.expert_layout)
 

@@ -51,7 +51,7 @@ from .params import LazyTensor
 __all__ = ["METHODS", "FP8_MAX", "INT4_GROUP", "TILE", "TILE_COLS", "FP8_TILE_COLS", "FUSED_ROWS", "OUT_MAJOR",
            "QuantSpec", "QTensor", "QuantLinear", "make_linear",
            "quantize", "dequantize", "qdot", "decode_fp8", "pack_int4", "unpack_int4", "module_kind",
-           "TEXT_KINDS", "EXPERTS_KIND", "default_modules", "storage_shape", "scale_shape", "stored_shapes",
+           "TEXT_KINDS", "VISION_KINDS", "EXPERTS_KIND", "default_modules", "storage_shape", "scale_shape", "stored_shapes",
            "storage_dtype", "quantize_params", "quantized_path"]
 
 METHODS = ("fp8", "int8", "int4")
@@ -69,13 +69,19 @@ EXPERTS_KIND = "language_model.layers.*.mlp.experts"  # a MoE layer's experts (`
 TEXT_KINDS = tuple(f"language_model.layers.*.{m}" for m in (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")) + (EXPERTS_KIND,)
+VISION_KINDS = tuple(f"visual.blocks.*.{m}" for m in (
+    "attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")) + tuple(
+    f"{merger}.linear_fc{i}" for merger in ("visual.merger", "visual.deepstack_merger_list.*") for i in (1, 2))
+"""The vision tower's linears (each ViT block's four, every merger's two): full precision by default
+(as HF's); an FP8 checkpoint's scales, or a spec naming them, quantize them."""
 LM_HEAD = "lm_head"
 
 
 def module_kind(path: str) -> str:
     """A module path with its block index replaced by `*`: `language_model.layers.3.mlp.up_proj` ->
-    `language_model.layers.*.mlp.up_proj` (every block of a tower has the same kinds)."""
-    return re.sub(r"^(visual\.blocks|language_model\.layers)\.\d+\.", r"\1.*.", path)
+    `language_model.layers.*.mlp.up_proj` (every block of a tower has the same kinds; so have the
+    deepstack mergers)."""
+    return re.sub(r"^(visual\.blocks|visual\.deepstack_merger_list|language_model\.layers)\.\d+\.", r"\1.*.", path)
 
 
 def default_modules(lm_head: bool = False) -> frozenset[str]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import zlib
 from typing import Any
 
@@ -28,7 +27,8 @@ import numpy as np
 from .config import Qwen3VLConfig, TextConfig, VisionConfig
 from .convert import copy_side_files, export_hf_tensors, iter_hf_tensors, storage_dtype, write_safetensors
 from .model import expected_params
-from .quant import dequantize, quantize
+from .params import hf_rule
+from .quant import TEXT_KINDS, VISION_KINDS, QuantSpec, dequantize, quantize, quantized_path
 
 __all__ = ["SPECIAL_TOKENS", "CHAT_TEMPLATE", "tiny_config", "make_tiny_checkpoint", "random_params", "bpe_tokenizer",
            "write_checkpoint_files"]
@@ -429,24 +429,22 @@ def make_fp8_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, bl
     one), no `quantization_config`."""
     out = os.fspath(out)
     os.makedirs(out, exist_ok=True)
-    pattern = re.compile(r"model\.language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
-                         r"\.weight" + (r"|model\.visual\.(blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])"
-                                        r"|(merger|deepstack_merger_list\.\d+)\.linear_fc[12])\.weight" if vision else ""))
-    experts = re.compile(r"model\.language_model\.layers\.\d+\.mlp\.experts\.(gate_up|down)_proj")
     text = Qwen3VLConfig.from_hf_config(source).text
     ours_block = (int(block[1]), int(block[0]))  # [out, in] -> our [in, out] orientation
+    spec = QuantSpec("fp8", ours_block, frozenset(TEXT_KINDS + (VISION_KINDS if vision else ())))
     tensors = {}
     for _, name, value in iter_hf_tensors(source):
-        if pattern.fullmatch(name):
+        found = hf_rule(name)
+        if found is None or quantized_path(found[0], spec) is None:
+            tensors[name] = value
+            continue
+        if found[0].endswith(".kernel"):
             in_major = lambda a: a.T  # noqa: E731  (a linear's [out, in] <-> our [in, out])
-        elif experts.fullmatch(name):
+        else:  # a layer's experts, in either layout
             gate_up = name.endswith("gate_up_proj")
             module = value.shape[1:] == ((2 * text.moe_intermediate_size, text.hidden_size) if gate_up
                                          else (text.hidden_size, text.moe_intermediate_size))
             in_major = (lambda a: np.swapaxes(a, -1, -2)) if module else (lambda a: a)  # noqa: E731
-        else:
-            tensors[name] = value
-            continue
         kernel, scale = quantize(in_major(np.asarray(value, np.float32)), "fp8", ours_block)
         if scale_dtype == "bfloat16":
             scale = scale.astype(ml_dtypes.bfloat16)
