@@ -223,6 +223,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--learning-rate", type=float, default=5e-3)
     parser.add_argument("--warmup-steps", type=int, default=50, help="learning-rate warmup updates")
+    parser.add_argument("--decay-steps", type=int, default=None,
+                        help="hold the peak rate after the warmup and decay it (cosine) over the last this many "
+                             "updates only (OptimConfig.decay_steps; default: a cosine over all updates)")
     parser.add_argument("--warm-steps", type=int, default=None,
                         help="first-phase updates on open colour questions (default 120; 0: none), counted in --steps")
     parser.add_argument("--warm-rows", type=int, default=1000, help="first-phase conversations")
@@ -277,6 +280,8 @@ def main(argv=None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= args.warmup_steps < args.steps:
         parser.error("--warmup-steps must be in [0, --steps)")
+    if args.decay_steps is not None and not 1 <= args.decay_steps <= args.steps - args.warmup_steps:
+        parser.error("--decay-steps must be in [1, --steps - --warmup-steps]")
     if not 0 <= args.warm_steps < args.steps or args.warm_rows < 1:
         parser.error("--warm-steps must be in [0, --steps) and --warm-rows >= 1")
     if args.plain_steps < 0 or args.warm_steps + args.plain_steps >= args.steps or args.plain_rows < 1:
@@ -363,7 +368,8 @@ def main(argv=None) -> int:
           f"in shapes {shapes}; jax {jax.__version__} on {jax.default_backend()}; data "
           f"{timings['data_s']:.0f} s, scan {timings['scan_s']:.0f} s", flush=True)
     config = OptimConfig(learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, total_steps=args.steps,
-                         end_learning_rate_ratio=0.05, weight_decay=0.01, max_grad_norm=1.0)
+                         end_learning_rate_ratio=0.05, decay_steps=args.decay_steps, weight_decay=0.01,
+                         max_grad_norm=1.0)
     trainer = Trainer(model, config, seed=args.seed)
     run_dir = os.path.join(args.out, "run")
     start = time.perf_counter()
@@ -391,6 +397,7 @@ def main(argv=None) -> int:
               "plain_rows": args.plain_rows if args.plain_steps else 0, "extra_questions": args.extra_questions,
               "mc_fraction": args.mc_fraction, "patch_init": args.patch_init, "qk_norm_gain": args.qk_norm_gain,
               "warm_drills": args.warm_drills, "drills": args.drills, "warmup_steps": args.warmup_steps,
+              "decay_steps": args.decay_steps,
               "batch_size": args.batch_size, "sequence": args.sequence,
               "learning_rate": args.learning_rate, "width": args.width, "parameters": count_params(model),
               "families": list(families), "timings": timings}

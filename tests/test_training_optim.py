@@ -64,6 +64,34 @@ def test_schedule_formula_and_hf():
         assert float(with_end(step)) == pytest.approx(expected, rel=1e-5), step
 
 
+def test_warmup_stable_decay_schedule_equals_hf():
+    """`decay_steps`: warmup, the peak held, a cosine over the last `decay_steps` updates, then the end
+    value: HF's `get_wsd_schedule` (its warmup starts at the end ratio, ours at 0, as the cosine's)."""
+    from transformers import get_wsd_schedule
+
+    for ratio in (0.0, 0.05):
+        config = OptimConfig(learning_rate=2e-3, warmup_steps=10, total_steps=100, decay_steps=30,
+                             end_learning_rate_ratio=ratio)
+        schedule = learning_rate_schedule(2e-3, config)
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=2e-3)
+        hf = get_wsd_schedule(opt, num_warmup_steps=10, num_decay_steps=30, num_training_steps=100,
+                              min_lr_ratio=ratio)
+        hf_values = []
+        for _ in range(110):
+            hf_values.append(opt.param_groups[0]["lr"])
+            opt.step()
+            hf.step()
+        for step in (0, 5, 10, 40, 69, 70, 71, 85, 99, 100, 109):
+            if step >= 10 or ratio == 0.0:
+                assert float(schedule(step)) == pytest.approx(hf_values[step], rel=1e-5, abs=3e-10), (ratio, step)
+        assert float(schedule(5)) == pytest.approx(1e-3, rel=1e-6)
+        assert float(schedule(70)) == pytest.approx(2e-3, rel=1e-6)
+    with pytest.raises(ValueError, match="warmup_steps \\+ decay_steps"):
+        OptimConfig(warmup_steps=10, total_steps=100, decay_steps=91)
+    with pytest.raises(ValueError, match="decay_steps"):
+        OptimConfig(total_steps=100, decay_steps=0)
+
+
 def test_adamw_steps_equal_torch(params):
     """Three updates (warmup then decay), vision frozen, separate merger / language rates, weight
     decay except on biases and norms, clipping active: the same parameters as torch."""

@@ -53,6 +53,9 @@ class OptimConfig:
     freeze: parts that do not move, e.g. `("vision",)`.
     warmup_steps, total_steps: linear warmup from 0 to the peak over `warmup_steps` updates, then
       cosine decay to `end_learning_rate_ratio * peak` at `total_steps` (constant after).
+    decay_steps: None (the default): the cosine spans every update after the warmup. A number: the
+      rate stays at the peak after the warmup and the cosine spans only the last `decay_steps` updates
+      before `total_steps` (warmup-stable-decay), so a curriculum's late phases train at the peak.
     max_grad_norm: global-norm clipping of the trained parts' gradients; None = off.
     grad_accum_steps: micro-batches per update.
     """
@@ -63,6 +66,7 @@ class OptimConfig:
     warmup_steps: int = 0
     total_steps: int = 1000
     end_learning_rate_ratio: float = 0.0
+    decay_steps: int | None = None
     weight_decay: float = 0.0
     b1: float = 0.9
     b2: float = 0.999
@@ -84,6 +88,11 @@ class OptimConfig:
         if not 0 <= self.warmup_steps < self.total_steps:
             raise ValueError(f"need 0 <= warmup_steps < total_steps, got warmup_steps={self.warmup_steps}, "
                              f"total_steps={self.total_steps}")
+        if self.decay_steps is not None:
+            positive_int("decay_steps", self.decay_steps)
+            if self.warmup_steps + self.decay_steps > self.total_steps:
+                raise ValueError(f"need warmup_steps + decay_steps <= total_steps, got {self.warmup_steps} + "
+                                 f"{self.decay_steps} > {self.total_steps}")
         if self.grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
@@ -142,10 +151,19 @@ def param_labels(params, freeze: tuple[str, ...] = ()):
 
 def learning_rate_schedule(peak: float, config: OptimConfig) -> optax.Schedule:
     """Linear warmup from 0, then cosine decay: HF's `get_cosine_schedule_with_warmup` up to
-    `total_steps` (plus an optional end value); after it, the end value (HF's cosine rises again)."""
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=peak, warmup_steps=config.warmup_steps, decay_steps=config.total_steps,
-        end_value=peak * config.end_learning_rate_ratio)
+    `total_steps` (plus an optional end value); after it, the end value (HF's cosine rises again).
+    With `config.decay_steps`, the peak holds until the cosine of the last `decay_steps` updates."""
+    end = peak * config.end_learning_rate_ratio
+    if config.decay_steps is None:
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=peak, warmup_steps=config.warmup_steps, decay_steps=config.total_steps,
+            end_value=end)
+    stable_until = config.total_steps - config.decay_steps
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, peak, config.warmup_steps) if config.warmup_steps else optax.constant_schedule(peak),
+         optax.constant_schedule(peak),
+         optax.cosine_decay_schedule(peak, config.decay_steps, alpha=config.end_learning_rate_ratio)],
+        boundaries=[config.warmup_steps, stable_until])
 
 
 def build_optimizer(config: OptimConfig) -> optax.GradientTransformation:
