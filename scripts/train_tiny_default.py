@@ -224,8 +224,8 @@ def main(argv=None) -> int:
     parser.add_argument("--learning-rate", type=float, default=5e-3)
     parser.add_argument("--warmup-steps", type=int, default=50, help="learning-rate warmup updates")
     parser.add_argument("--decay-steps", type=int, default=None,
-                        help="hold the peak rate after the warmup and decay it (cosine) over the last this many "
-                             "updates only (OptimConfig.decay_steps; default: a cosine over all updates)")
+                        help="hold the peak rate after the warmup and decay it (cosine) over the last this "
+                             "many updates only (OptimConfig.decay_steps; default: one cosine over all)")
     parser.add_argument("--warm-steps", type=int, default=None,
                         help="first-phase updates on open colour questions (default 120; 0: none), counted in --steps")
     parser.add_argument("--warm-rows", type=int, default=1000, help="first-phase conversations")

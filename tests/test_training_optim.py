@@ -40,18 +40,25 @@ def cosine_with_warmup(step, peak, warmup, total, end=0.0):
     return end + (peak - end) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def hf_rates(make_scheduler, peak: float, updates: int) -> list[float]:
+    """The rate of each of `updates` updates under HF's scheduler `make_scheduler(optimizer)`."""
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=peak)
+    scheduler = make_scheduler(opt)
+    rates = []
+    for _ in range(updates):
+        rates.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    return rates
+
+
 def test_schedule_formula_and_hf():
     from transformers import get_cosine_schedule_with_warmup
 
     config = OptimConfig(learning_rate=3e-4, warmup_steps=10, total_steps=100)
     schedule = learning_rate_schedule(3e-4, config)
-    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=3e-4)
-    hf_schedule = get_cosine_schedule_with_warmup(opt, num_warmup_steps=10, num_training_steps=100)
-    hf_values = []
-    for _ in range(120):
-        hf_values.append(opt.param_groups[0]["lr"])
-        opt.step()
-        hf_schedule.step()
+    hf_values = hf_rates(lambda opt: get_cosine_schedule_with_warmup(opt, num_warmup_steps=10,
+                                                                     num_training_steps=100), 3e-4, 120)
     for step in (0, 1, 5, 9, 10, 11, 37, 55, 99, 100, 119):
         expected = cosine_with_warmup(step, 3e-4, 10, 100)
         assert float(schedule(step)) == pytest.approx(expected, rel=1e-5, abs=3e-10), step
@@ -73,17 +80,12 @@ def test_warmup_stable_decay_schedule_equals_hf():
         config = OptimConfig(learning_rate=2e-3, warmup_steps=10, total_steps=100, decay_steps=30,
                              end_learning_rate_ratio=ratio)
         schedule = learning_rate_schedule(2e-3, config)
-        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=2e-3)
-        hf = get_wsd_schedule(opt, num_warmup_steps=10, num_decay_steps=30, num_training_steps=100,
-                              min_lr_ratio=ratio)
-        hf_values = []
-        for _ in range(110):
-            hf_values.append(opt.param_groups[0]["lr"])
-            opt.step()
-            hf.step()
+        hf_values = hf_rates(lambda opt, r=ratio: get_wsd_schedule(
+            opt, num_warmup_steps=10, num_decay_steps=30, num_training_steps=100, min_lr_ratio=r), 2e-3, 110)
         for step in (0, 5, 10, 40, 69, 70, 71, 85, 99, 100, 109):
             if step >= 10 or ratio == 0.0:
-                assert float(schedule(step)) == pytest.approx(hf_values[step], rel=1e-5, abs=3e-10), (ratio, step)
+                expected = hf_values[step]
+                assert float(schedule(step)) == pytest.approx(expected, rel=1e-5, abs=3e-10), (ratio, step)
         assert float(schedule(5)) == pytest.approx(1e-3, rel=1e-6)
         assert float(schedule(70)) == pytest.approx(2e-3, rel=1e-6)
     with pytest.raises(ValueError, match="warmup_steps \\+ decay_steps"):

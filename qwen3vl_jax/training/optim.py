@@ -159,9 +159,9 @@ def learning_rate_schedule(peak: float, config: OptimConfig) -> optax.Schedule:
             init_value=0.0, peak_value=peak, warmup_steps=config.warmup_steps, decay_steps=config.total_steps,
             end_value=end)
     stable_until = config.total_steps - config.decay_steps
+    warmup = optax.linear_schedule(0.0, peak, config.warmup_steps) if config.warmup_steps else None
     return optax.join_schedules(
-        [optax.linear_schedule(0.0, peak, config.warmup_steps) if config.warmup_steps else optax.constant_schedule(peak),
-         optax.constant_schedule(peak),
+        [warmup or optax.constant_schedule(peak), optax.constant_schedule(peak),
          optax.cosine_decay_schedule(peak, config.decay_steps, alpha=config.end_learning_rate_ratio)],
         boundaries=[config.warmup_steps, stable_until])
 
