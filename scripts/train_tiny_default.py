@@ -280,8 +280,6 @@ def main(argv=None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= args.warmup_steps < args.steps:
         parser.error("--warmup-steps must be in [0, --steps)")
-    if args.decay_steps is not None and not 1 <= args.decay_steps <= args.steps - args.warmup_steps:
-        parser.error("--decay-steps must be in [1, --steps - --warmup-steps]")
     if not 0 <= args.warm_steps < args.steps or args.warm_rows < 1:
         parser.error("--warm-steps must be in [0, --steps) and --warm-rows >= 1")
     if args.plain_steps < 0 or args.warm_steps + args.plain_steps >= args.steps or args.plain_rows < 1:
@@ -298,6 +296,14 @@ def main(argv=None) -> int:
             sequence and 0 <= args.eval_seed - args.seed - SEQUENCE_SEED < 1000 * len(sequence)):
         parser.error("--eval-seed must differ from the training seeds --seed, --seed + 1000000, "
                      f"--seed + {PLAIN_SEED} and those of --sequence (held-out items)")
+    from qwen3vl_jax.training import OptimConfig
+
+    try:  # the schedule's own checks (--decay-steps against --steps and --warmup-steps), before any work
+        optim = OptimConfig(learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
+                            total_steps=args.steps, decay_steps=args.decay_steps,
+                            end_learning_rate_ratio=0.05, weight_decay=0.01, max_grad_norm=1.0)
+    except ValueError as err:
+        parser.error(f"--learning-rate / --warmup-steps / --decay-steps: {err}")
     if os.path.exists(args.out) and os.listdir(args.out):
         parser.error(f"{args.out} is not empty; choose a new --out")
 
@@ -307,7 +313,7 @@ def main(argv=None) -> int:
     from qwen3vl_jax import Qwen3VL, Qwen3VLProcessor, count_params
     from qwen3vl_jax.convert import atomic_directory, copy_side_files
     from qwen3vl_jax.default import DEFAULT_MODEL_DIR, SCORED_FORMS, write_sft_dataset
-    from qwen3vl_jax.training import OptimConfig, SFTDataset, Trainer
+    from qwen3vl_jax.training import SFTDataset, Trainer
     from qwen3vl_jax.training.run import plot_losses, train
 
     vision, text = dict(VISION), dict(TEXT)
@@ -367,10 +373,7 @@ def main(argv=None) -> int:
     print(f"{count_params(model):,} parameters; {rows} rows, {batches} batches per epoch "
           f"in shapes {shapes}; jax {jax.__version__} on {jax.default_backend()}; data "
           f"{timings['data_s']:.0f} s, scan {timings['scan_s']:.0f} s", flush=True)
-    config = OptimConfig(learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, total_steps=args.steps,
-                         end_learning_rate_ratio=0.05, decay_steps=args.decay_steps, weight_decay=0.01,
-                         max_grad_norm=1.0)
-    trainer = Trainer(model, config, seed=args.seed)
+    trainer = Trainer(model, optim, seed=args.seed)
     run_dir = os.path.join(args.out, "run")
     start = time.perf_counter()
     phases = [("warm", warm, args.warm_steps)] if args.warm_steps else []

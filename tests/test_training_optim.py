@@ -88,6 +88,12 @@ def test_warmup_stable_decay_schedule_equals_hf():
                 assert float(schedule(step)) == pytest.approx(expected, rel=1e-5, abs=3e-10), (ratio, step)
         assert float(schedule(5)) == pytest.approx(1e-3, rel=1e-6)
         assert float(schedule(70)) == pytest.approx(2e-3, rel=1e-6)
+    no_warmup = learning_rate_schedule(2e-3, OptimConfig(learning_rate=2e-3, total_steps=100, decay_steps=30))
+    hf_values = hf_rates(lambda opt: get_wsd_schedule(opt, num_warmup_steps=0, num_decay_steps=30,
+                                                      num_training_steps=100), 2e-3, 110)
+    for step in (0, 1, 69, 70, 85, 100, 109):
+        assert float(no_warmup(step)) == pytest.approx(hf_values[step], rel=1e-5, abs=3e-10), step
+    assert float(no_warmup(0)) == pytest.approx(2e-3, rel=1e-6)
     with pytest.raises(ValueError, match="warmup_steps \\+ decay_steps"):
         OptimConfig(warmup_steps=10, total_steps=100, decay_steps=91)
     with pytest.raises(ValueError, match="decay_steps"):

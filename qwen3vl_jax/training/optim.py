@@ -153,17 +153,16 @@ def learning_rate_schedule(peak: float, config: OptimConfig) -> optax.Schedule:
     """Linear warmup from 0, then cosine decay: HF's `get_cosine_schedule_with_warmup` up to
     `total_steps` (plus an optional end value); after it, the end value (HF's cosine rises again).
     With `config.decay_steps`, the peak holds until the cosine of the last `decay_steps` updates."""
-    end = peak * config.end_learning_rate_ratio
     if config.decay_steps is None:
         return optax.warmup_cosine_decay_schedule(
             init_value=0.0, peak_value=peak, warmup_steps=config.warmup_steps, decay_steps=config.total_steps,
-            end_value=end)
-    stable_until = config.total_steps - config.decay_steps
-    warmup = optax.linear_schedule(0.0, peak, config.warmup_steps) if config.warmup_steps else None
-    return optax.join_schedules(
-        [warmup or optax.constant_schedule(peak), optax.constant_schedule(peak),
-         optax.cosine_decay_schedule(peak, config.decay_steps, alpha=config.end_learning_rate_ratio)],
-        boundaries=[config.warmup_steps, stable_until])
+            end_value=peak * config.end_learning_rate_ratio)
+    pieces, boundaries = [], []
+    if config.warmup_steps:  # optax's linear schedule over 0 steps would be the constant 0
+        pieces, boundaries = [optax.linear_schedule(0.0, peak, config.warmup_steps)], [config.warmup_steps]
+    pieces += [optax.constant_schedule(peak),
+               optax.cosine_decay_schedule(peak, config.decay_steps, alpha=config.end_learning_rate_ratio)]
+    return optax.join_schedules(pieces, boundaries + [config.total_steps - config.decay_steps])
 
 
 def build_optimizer(config: OptimConfig) -> optax.GradientTransformation:
