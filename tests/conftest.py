@@ -19,6 +19,15 @@ from jax import monitoring
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# The tests' programs are tiny and run once or a few times, so XLA's CPU backend compiles them without
+# LLVM's optimization passes (`--xla_backend_optimization_level=0`): the same HLO, the same fusions,
+# machine code generated with less work. Measured on the 2-core CPU (tests/test_quant.py, no
+# compilation cache): 170 s -> 124 s, compiling 116 s -> 77 s. Set here, before the first backend
+# starts, so every subprocess a test starts inherits it (a worker that sets its own XLA_FLAGS appends
+# to these); `QWEN3VL_JAX_TEST_XLA_OPT=default` leaves XLA's own level.
+if os.environ.get("QWEN3VL_JAX_TEST_XLA_OPT", "") != "default":
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+
 # JAX's persistent compilation cache, one fresh directory per pytest run (so a run never reuses an
 # earlier run's executables and CI's time stays a fresh machine's), deleted at the end. Tests that
 # build the same program again (a new model object, a new jit wrapper, a subprocess: the sharding
@@ -26,8 +35,10 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # instead of compiling. `QWEN3VL_JAX_TEST_CACHE=off` runs without it;
 # `QWEN3VL_JAX_TEST_CACHE=<directory>` keeps it there (created if missing, never deleted): .ci/run
 # gives its fast and slow tiers one directory, so the slow tier loads what the fast tier compiled.
+# The pytest-xdist workers (pyproject.toml's `-n`) inherit the directory through
+# QWEN3VL_JAX_TEST_CACHE, so they share it and the process that made it deletes it.
 _CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": None, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "QWEN3VL_JAX_TEST_CACHE": None}
 _CACHE_DIR = pytest.StashKey[tuple]()  # (directory, whether this run deletes it, the environment it replaced)
 _cache_events: dict[str, int] = {}
 
@@ -45,10 +56,11 @@ _TORCH_FIXTURES = {"hf_model", "hf_processor"}
 _left_out: set[str] = set()  # pytest may ask about a file more than once
 
 
-# Compilation time per test (this process only: subprocesses are not seen): JAX's tracing, lowering
-# and XLA compile durations, charged to the test running when they happen. The summary prints the
-# total, and with `QWEN3VL_JAX_TEST_COMPILE_REPORT=N` the N tests that spent the most (what to look at
-# first when the suite outgrows its budget: about three quarters of the fast tier is compilation).
+# Compilation time per test (the pytest processes: each xdist worker sends its figures to the main one;
+# other subprocesses are not seen): JAX's tracing, lowering and XLA compile durations, charged to the
+# test running when they happen. The summary prints the total, and with
+# `QWEN3VL_JAX_TEST_COMPILE_REPORT=N` the N tests that spent the most (what to look at first when the
+# suite outgrows its budget: about three quarters of the fast tier is compilation).
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                    "/jax/core/compile/backend_compile_duration")
 _compile_seconds: dict[str, float] = {}
@@ -76,6 +88,13 @@ def pytest_runtest_protocol(item, nextitem):
 def _count_cache_event(event: str, **_) -> None:
     if event.startswith("/jax/compilation_cache/cache_"):
         _cache_events[event] = _cache_events.get(event, 0) + 1
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml): one worker per core, at most 4. The suite is three quarters tracing and
+    compiling, which keeps one process near one core, so two workers on the 2-core CI machine use the
+    second core; each worker holds ~1.5-3.5 GB, hence the cap."""
+    return max(1, min(os.cpu_count() or 1, 4))
 
 
 def pytest_configure(config):
@@ -135,13 +154,32 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not _needs_torch(item)]
 
 
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: its figures go to the summary of the main process
+        workeroutput["qwen3vl_jax_compile_seconds"] = dict(_compile_seconds)
+        workeroutput["qwen3vl_jax_cache_events"] = dict(_cache_events)
+        workeroutput["qwen3vl_jax_left_out"] = sorted(_left_out)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """An xdist worker is done: add its compilation figures to this process's (the summary's)."""
+    output = getattr(node, "workeroutput", {})
+    for mine, theirs in ((_compile_seconds, output.get("qwen3vl_jax_compile_seconds", {})),
+                         (_cache_events, output.get("qwen3vl_jax_cache_events", {}))):
+        for key, value in theirs.items():
+            mine[key] = mine.get(key, 0) + value
+    _left_out.update(output.get("qwen3vl_jax_left_out", ()))  # each worker collects the whole suite
+
+
 def pytest_terminal_summary(terminalreporter):
     if terminalreporter.config.stash.get(_CACHE_DIR, None) is not None:
         hits = _cache_events.get("/jax/compilation_cache/cache_hits", 0)
         misses = _cache_events.get("/jax/compilation_cache/cache_misses", 0)
-        terminalreporter.write_line(f"persistent compilation cache (this process): {hits} hits, {misses} compiles")
+        terminalreporter.write_line(f"persistent compilation cache (all workers): {hits} hits, {misses} compiles")
     if _compile_seconds:
-        terminalreporter.write_line(f"tracing, lowering and compiling (this process): "
+        terminalreporter.write_line(f"tracing, lowering and compiling (all workers): "
                                     f"{sum(_compile_seconds.values()):.0f} s")
     report = terminalreporter.config.stash.get(_COMPILE_REPORT, 0)
     if report:
