@@ -11,10 +11,12 @@ import os
 import re
 import shutil
 import tempfile
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from filelock import FileLock
 from jax import monitoring
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -195,13 +197,45 @@ def pytest_terminal_summary(terminalreporter):
 def load_script(name: str):
     """The module of `scripts/<name>.py` (the scripts are not a package), loaded afresh."""
     import importlib.util
-    from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def worker_env(*xla_flags: str) -> dict[str, str]:
+    """The environment of a test's JAX subprocess that sets its own number of host devices (the mesh
+    workers): this process's, CPU only, the repository on PYTHONPATH, and its XLA flags (this file's
+    optimization level among them) without a host device count, with `xla_flags` added."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join([*flags, *xla_flags])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
+    return env
+
+
+@pytest.fixture(scope="session")
+def once_per_run(tmp_path_factory):
+    """`once_per_run(name, write)`: the path of a file that `write(path)` made once in this pytest run.
+    The xdist workers share it: the first to ask writes it (to a temporary name, renamed when done),
+    the others wait on a lock and read it. For an expensive subprocess whose results several tests
+    check (the sharding meshes), which otherwise runs once in every worker that has one of them."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above each worker's own
+
+    def get(name: str, write) -> str:
+        path = root / name
+        with FileLock(str(path) + ".lock"):
+            if not path.exists():
+                partial = path.with_name(f"partial-{name}")
+                write(str(partial))
+                os.replace(partial, path)
+        return str(path)
+
+    return get
 
 
 # One tolerance table for every parity check: name -> (atol, rtol) applied as

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, hf_processor_batch, user_prompt
+from conftest import assert_close, hf_processor_batch, user_prompt, worker_env
 from flax import nnx
 
 from qwen3vl_jax import Qwen3VL
@@ -377,10 +377,8 @@ def test_expert_parallel_meshes_match_one_device(moe_dirs, tmp_path):
 
     out = tmp_path / "mesh.npz"
     meshes = ["expert=8", "expert=2,fsdp=2,tensor=2", "data=2,expert=4"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "moe_mesh_worker.py"),
-                           moe_dirs["sparse"], str(out), *meshes], env=env, capture_output=True, text=True,
+                           moe_dirs["sparse"], str(out), *meshes], env=worker_env(), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = np.load(out)
@@ -414,10 +412,8 @@ def test_quantized_experts_under_an_expert_axis_match_one_device(moe_dirs, tmp_p
     if method == "checkpoint":
         directory = make_fp8_checkpoint(directory, tmp_path / "fp8", block=(16, 16))
     out = tmp_path / "mesh.npz"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "moe_mesh_worker.py"),
-                           "--quantize", method, directory, str(out), *meshes], env=env,
+                           "--quantize", method, directory, str(out), *meshes], env=worker_env(),
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = np.load(out)

@@ -17,7 +17,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_close, worker_env
 
 from qwen3vl_jax.sharding import ShardingError, check_mesh, make_mesh, param_spec, parse_mesh
 
@@ -33,12 +33,8 @@ MESH_PARAMS = [pytest.param(c, id=c, marks=pytest.mark.slow) for c in MESH_CASES
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env["JAX_PLATFORMS"] = "cpu"
     # Eight virtual devices share two cores: give a late collective participant time.
-    env["XLA_FLAGS"] = "--xla_cpu_collective_call_terminate_timeout_seconds=900"
-    return env
+    return worker_env("--xla_cpu_collective_call_terminate_timeout_seconds=900")
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +45,18 @@ def shardable_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def mesh_results(request, shardable_dir, tmp_path_factory):
-    """The single-device reference and the meshes of the selected tests, in one worker."""
+def mesh_results(request, shardable_dir, once_per_run):
+    """The single-device reference and the meshes of the selected tests, in one subprocess per run
+    (the xdist workers share its results: each collects the same tests, so the same cases)."""
     params = [getattr(item, "callspec", None) for item in request.session.items if item.module is request.module]
     cases = sorted({p.params["case"] for p in params if p is not None and "case" in p.params})
-    out = str(tmp_path_factory.mktemp("meshes") / "results.npz")
-    proc = subprocess.run([sys.executable, WORKER, "meshes", shardable_dir, out, "--cases", *cases],
-                          env=_env(), capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return dict(np.load(out))
+
+    def run_meshes(out: str) -> None:
+        proc = subprocess.run([sys.executable, WORKER, "meshes", shardable_dir, out, "--cases", *cases],
+                              env=_env(), capture_output=True, text=True, timeout=1800)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+    return dict(np.load(once_per_run("sharding-meshes.npz", run_meshes)))
 
 
 @pytest.mark.parametrize("case", MESH_PARAMS)
