@@ -95,8 +95,9 @@ def _count_cache_event(event: str, **_) -> None:
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject.toml): one worker per core, at most 4. The suite is three quarters tracing and
     compiling, which keeps one process near one core, so two workers on the 2-core CI machine use the
-    second core; each worker holds ~1.5-3.5 GB, hence the cap."""
-    return max(1, min(os.cpu_count() or 1, 4))
+    second core; each worker holds ~1.5-3.5 GB, hence the cap. Cores: those this process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, 4))
 
 
 def pytest_configure(config):
