@@ -15,7 +15,8 @@ the same media in each conversation of the last two phases (`default.write_sft_d
 --sequence replaces those phases by one family at a time with replay (see `default.SEQUENCE_SEED`).
 --warm-drills / --drills add that many text-only letter drills (`default.letter_drill`: the
 multiple-choice answer format alone) to the first / the main phase. --patch-init chroma and
---qk-norm-gain g change the random starting weights (`build_initial`).
+--qk-norm-gain g change the random starting weights (`build_initial`). --eval-phases N measures the
+model after every phase on N held-out items per family (which phase adds or erases which family).
 
 The shipped default (docs/tasks.md §8) is this command's result, 29.5 minutes on the 2-core CPU:
 
@@ -200,6 +201,16 @@ def sequence_items(phases: list[tuple[str, int]], index: int, rows: int, familie
     return items
 
 
+def save_model(model, init: str, path: str) -> str:
+    """`model` in HF format (float32) at `path`, with `init`'s config, tokenizer and processor files."""
+    from qwen3vl_jax.convert import atomic_directory, copy_side_files
+
+    with atomic_directory(path) as staging:
+        model.save_hf(staging, dtype="float32")
+        copy_side_files(init, staging)  # the initial config.json: the same architecture, plus the token ids
+    return path
+
+
 def evaluate_heldout(path: str, n_per_family: int, seed: int) -> dict:
     """Held-out accuracy per family (fresh items from `seed`) in each of `default.SCORED_FORMS`."""
     from qwen3vl_jax import EncoderRunner, Qwen3VL, Qwen3VLProcessor, default
@@ -253,6 +264,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-items", type=int, default=40, help="held-out items per family (0: no evaluation)")
     parser.add_argument("--eval-seed", type=int, default=1001, help="seed of the held-out items")
+    parser.add_argument("--eval-phases", type=int, default=0, metavar="N",
+                        help="also write each phase's model (run/<phase>/model, HF format) and measure it on "
+                             "N held-out items per family (eval.json `phases`): what each phase adds and erases")
     parser.add_argument("--width", type=float, default=1.0, help="scale the text and vision widths (trials)")
     parser.add_argument("--install", action="store_true", help="copy the result into qwen3vl_jax/default_model/")
     args = parser.parse_args(argv)
@@ -290,6 +304,8 @@ def main(argv=None) -> int:
         parser.error("--qk-norm-gain must be > 0")
     if args.warm_drills < 0 or args.drills < 0:
         parser.error("--warm-drills and --drills must be >= 0")
+    if args.eval_items < 0 or args.eval_phases < 0:
+        parser.error("--eval-items and --eval-phases must be >= 0")
     from qwen3vl_jax.default import SEQUENCE_SEED, WARM_SEED
 
     if args.eval_seed in (args.seed, args.seed + WARM_SEED, args.seed + PLAIN_SEED) or (
@@ -311,7 +327,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from qwen3vl_jax import Qwen3VL, Qwen3VLProcessor, count_params
-    from qwen3vl_jax.convert import atomic_directory, copy_side_files
+    from qwen3vl_jax.convert import atomic_directory
     from qwen3vl_jax.default import DEFAULT_MODEL_DIR, SCORED_FORMS, write_sft_dataset
     from qwen3vl_jax.training import SFTDataset, Trainer
     from qwen3vl_jax.training.run import plot_losses, train
@@ -380,9 +396,18 @@ def main(argv=None) -> int:
     if args.plain_steps:
         phases.append(("plain", plain, args.warm_steps + args.plain_steps))
     phases += main  # one schedule over all: the update count carries on
+    phase_heldout = {}
     for name, phase_data, until in phases:
         train(trainer, phase_data, steps=until, out_dir=os.path.join(run_dir, name), seed=args.seed,
               save_every=until, keep=1)
+        if args.eval_phases:  # not counted in the training time
+            paused = time.perf_counter()
+            phase_model = save_model(model, init, os.path.join(run_dir, name, "model"))
+            phase_heldout[name] = evaluate_heldout(phase_model, args.eval_phases, args.eval_seed)
+            print(f"after {name} (update {until}), open: " + ", ".join(
+                f"{family} {acc['open']:.3f}" for family, acc in phase_heldout[name]["accuracy"].items()),
+                flush=True)
+            start += time.perf_counter() - paused
     timings["train_s"] = time.perf_counter() - start
     with open(os.path.join(run_dir, "metrics.jsonl"), "w") as out:  # both phases, in update order
         for name, _, _ in phases:
@@ -390,10 +415,7 @@ def main(argv=None) -> int:
                 out.write(f.read())
     plot_losses(os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "loss.png"))
 
-    final = os.path.join(args.out, "final")
-    with atomic_directory(final) as staging:
-        model.save_hf(staging, dtype="float32")
-        copy_side_files(init, staging)  # the initial config.json: the same architecture, plus the token ids
+    final = save_model(model, init, os.path.join(args.out, "final"))
     timings["total_s"] = time.perf_counter() - clock
     report = {"seed": args.seed, "rows": rows, "steps": args.steps, "warm_steps": args.warm_steps,
               "warm_rows": args.warm_rows, "plain_steps": args.plain_steps,
@@ -404,6 +426,8 @@ def main(argv=None) -> int:
               "batch_size": args.batch_size, "sequence": args.sequence,
               "learning_rate": args.learning_rate, "width": args.width, "parameters": count_params(model),
               "families": list(families), "timings": timings}
+    if phase_heldout:
+        report["phases"] = phase_heldout
     print(f"trained in {timings['train_s'] / 60:.1f} min ({timings['total_s'] / 60:.1f} min with data)", flush=True)
     if args.eval_items:
         report["heldout"] = evaluate_heldout(final, args.eval_items, args.eval_seed)

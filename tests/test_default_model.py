@@ -280,3 +280,33 @@ def test_sequence_phases_of_the_training_script(tmp_path):
                  ["--sequence", "position:3", "--plain-steps", "1"]):
         with pytest.raises(SystemExit):
             script.main(["--out", str(tmp_path / "out"), *argv])
+
+
+@pytest.mark.slow  # a whole (tiny) training run with its evaluations: compiles train and inference steps
+def test_the_training_script_end_to_end_with_each_phase_measured(tmp_path):
+    """The script as a user runs it, at toy size: a two-phase `--sequence` trains, writes every
+    phase's model (`--eval-phases`) and the final one as HF checkpoints that load in ours, and
+    `eval.json` holds each phase's held-out accuracy per family and form, within [0, 1]."""
+    script = load_script("train_tiny_default")
+    out = tmp_path / "run"
+    assert script.main(["--out", str(out), "--sequence", "position:2", "all:1", "--batch-size", "4",
+                        "--learning-rate", "1e-3", "--warmup-steps", "1", "--length-buckets", "320",
+                        "--eval-items", "1", "--eval-phases", "1", "--width", "0.5"]) == 0
+    report = json.loads((out / "eval.json").read_text())
+    assert report["steps"] == 3 and report["sequence"] == ["position:2", "all:1"]
+    assert list(report["phases"]) == ["0-position", "1-all"]
+    for measured in [*report["phases"].values(), report["heldout"]]:
+        assert measured["items_per_family"] == 1 and measured["heldout_seed"] == 1001
+        assert set(measured["accuracy"]) == set(synthetic.FAMILIES)
+        for accuracy in measured["accuracy"].values():
+            assert set(accuracy) == set(default.SCORED_FORMS)
+            assert all(0.0 <= value <= 1.0 for value in accuracy.values())
+    metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in metrics] == [1, 2, 3]
+    for model_dir in (out / "run" / "0-position" / "model", out / "final"):
+        model = Qwen3VL.from_pretrained(str(model_dir))
+        assert model.config.text.hidden_size == 64  # --width 0.5 of the default's 128
+    with pytest.raises(SystemExit):  # the output directory is not empty now
+        script.main(["--out", str(out), "--sequence", "position:2"])
+    with pytest.raises(SystemExit):
+        script.main(["--out", str(tmp_path / "other"), "--eval-phases", "-1"])
