@@ -18,15 +18,15 @@ multiple-choice answer format alone) to the first / the main phase. --patch-init
 --qk-norm-gain g change the random starting weights (`build_initial`). --eval-phases N measures the
 model after every phase on N held-out items per family (which phase adds or erases which family).
 
-The shipped default (docs/tasks.md §8) is this command's result, 29.5 minutes on the 2-core CPU:
+The shipped default (docs/tasks.md §8) is this command's result, 31.8 minutes on the 2-core CPU:
 
-    nice -n 10 .venv/bin/python scripts/train_tiny_default.py --out runs/seq1 --sequence position:250
-        direction:250 count:200 hidden:200 order:200 color:50 shape:100 all:250 --batch-size 32
-        --learning-rate 2e-3 --warmup-steps 30 --patch-init chroma --qk-norm-gain 2 --mc-fraction 0.5
-        --drills 400 --length-buckets 64 128 192 320 --eval-items 24 [--install]
+    nice -n 10 .venv/bin/python scripts/train_tiny_default.py --out runs/seq-pc5 --sequence position:250
+        color:150 direction:250 count:200 hidden:150 all:550 --batch-size 32 --learning-rate 2e-3
+        --warmup-steps 30 --patch-init chroma --qk-norm-gain 2 --mc-fraction 0.5 --drills 400
+        --length-buckets 64 128 192 320 --eval-items 24 [--eval-phases 12] [--install]
 
-The defaults are the earlier all-families recipe (a colour warm-up, then the mix: the default shipped
-before it, which learned colour only); the other options are the measured trials of docs/tasks.md §8.
+The defaults are the first recipe (a colour warm-up, then the all-families mix: the first shipped
+default, which learned colour only); the other options are the measured trials of docs/tasks.md §8.
 
 Writes under OUT: `init/` (the random starting checkpoint: config, tokenizer, processor configs),
 `data/` (the training conversations and their media), `run/` (`metrics.jsonl`, `loss.png`, the

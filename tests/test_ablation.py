@@ -292,7 +292,7 @@ def test_script_default_runs_held_out_task_families(tiny_dir, tmp_path, capsys):
     assert (out / "tasks" / "dataset.jsonl").is_file() and (out / "ablation.png").is_file()
     with open(out / "ablation.jsonl") as f:
         assert {json.loads(line)["score"] for line in f} == {"loglik"}
-    for seed in (0, 3_000_000, 3_007_500):  # the default's --seed, its first and last --sequence phases
+    for seed in (0, 3_000_000, 3_005_500):  # the default's --seed, its first and last --sequence phases
         with pytest.raises(SystemExit):
             _script().main(["--model", str(tiny_dir), "--task-seed", str(seed),
                             "--out", str(tmp_path / "seed0")])
