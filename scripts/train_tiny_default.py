@@ -18,7 +18,7 @@ multiple-choice answer format alone) to the first / the main phase. --patch-init
 --qk-norm-gain g change the random starting weights (`build_initial`). --eval-phases N measures the
 model after every phase on N held-out items per family (which phase adds or erases which family).
 
-The shipped default (docs/tasks.md §8) is this command's result, 31.8 minutes on the 2-core CPU:
+The shipped default (docs/tasks.md §8) is this command's result, 26.6 minutes on the 2-core CPU:
 
     nice -n 10 .venv/bin/python scripts/train_tiny_default.py --out runs/seq-pc5 --sequence position:250
         color:150 direction:250 count:200 hidden:150 all:550 --batch-size 32 --learning-rate 2e-3
