@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import load_script
 
-from qwen3vl_jax import pruning
+from qwen3vl_jax import default, pruning
 from qwen3vl_jax.processing import Qwen3VLProcessor
 from qwen3vl_jax.pruning.ablation import AblationRow, bootstrap_ci, builtin_videos, run_ablation, summarize
 from qwen3vl_jax.pruning.tasks import (
@@ -292,7 +292,11 @@ def test_script_default_runs_held_out_task_families(tiny_dir, tmp_path, capsys):
     assert (out / "tasks" / "dataset.jsonl").is_file() and (out / "ablation.png").is_file()
     with open(out / "ablation.jsonl") as f:
         assert {json.loads(line)["score"] for line in f} == {"loglik"}
-    for seed in (0, 3_000_000, 3_005_500):  # the default's --seed, its first and last --sequence phases
+    # the default's --seed, and its first and last --sequence phases by the documented layout (phase k at
+    # SEQUENCE_SEED + 1000 k, its replay at + 500), so the test follows the shipped phase count
+    first_phase = default.TRAIN_SEED + default.SEQUENCE_SEED
+    last_replay = first_phase + 1000 * (default.SHIPPED_SEQUENCE_PHASES - 1) + 500
+    for seed in (default.TRAIN_SEED, first_phase, last_replay):
         with pytest.raises(SystemExit):
             _script().main(["--model", str(tiny_dir), "--task-seed", str(seed),
                             "--out", str(tmp_path / "seed0")])
